@@ -1,0 +1,70 @@
+"""On-device sampling: greedy, temperature, top-k and top-p with per-request keys.
+
+Each row samples with its own PRNG key, derived from the request's seed and the number of tokens
+it has generated so far, so its result never depends on which other requests share the batch.
+
+Axis legend: B = rows (sequences), V = vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from research.engine.request import SamplingParams
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SamplingTensors:
+    """Per-row sampling settings, as device arrays of shape [B]."""
+
+    temperature: jax.Array  # float32; 0 = greedy
+    top_k: jax.Array  # int32; 0 = disabled
+    top_p: jax.Array  # float32; 1 = disabled
+    seed: jax.Array  # uint32 request seed
+    step: jax.Array  # int32 tokens generated so far by the row (folded into the key)
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], seeds: list[int], steps: list[int]
+                    ) -> SamplingTensors:
+        return cls(
+            temperature=jnp.asarray(np.array([p.temperature for p in params], np.float32)),
+            top_k=jnp.asarray(np.array([max(p.top_k, 0) for p in params], np.int32)),
+            top_p=jnp.asarray(np.array([p.top_p for p in params], np.float32)),
+            seed=jnp.asarray(np.array(seeds, np.uint32)),
+            step=jnp.asarray(np.array(steps, np.int32)),
+        )
+
+
+def _filtered_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Set logits outside each row's top-k and top-p nucleus to -inf. logits [B, V]."""
+    vocab = logits.shape[-1]
+    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # descending [B, V]
+    # top-k: the k-th largest value is the threshold (k = 0 keeps everything).
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)  # [B, 1]
+    # top-p: keep the smallest prefix of the sorted distribution whose mass reaches p.
+    probs = jax.nn.softmax(jnp.where(sorted_logits >= kth, sorted_logits, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep_sorted = mass_before < top_p[:, None]
+    keep_sorted = keep_sorted.at[:, 0].set(True)
+    n_keep = jnp.sum(keep_sorted & (sorted_logits >= kth), axis=-1)  # [B] >= 1
+    threshold = jnp.take_along_axis(sorted_logits, (n_keep - 1)[:, None], axis=-1)
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def sample(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """Next token per row: logits [B, V] float32 -> token ids [B] int32."""
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    needs_filter = jnp.any((st.top_k > 0) | (st.top_p < 1.0))
+    filtered = jax.lax.cond(
+        needs_filter, lambda x: _filtered_logits(x, st.top_k, st.top_p), lambda x: x, logits
+    )
+    temperature = jnp.where(st.temperature > 0, st.temperature, 1.0)
+    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(st.seed, st.step)
+    sampled = jax.vmap(jax.random.categorical)(keys, filtered / temperature[:, None])
+    return jnp.where(st.temperature > 0, sampled.astype(jnp.int32), greedy_tokens)

@@ -1,0 +1,90 @@
+"""Stateless building blocks shared by every architecture.
+
+Axis legend used in einsums and shape comments:
+  B = batch (sequences)     T = tokens per sequence in this call   S = cached positions
+  D = hidden                H = query heads                         K = kv heads
+  G = query heads per kv head (H = K * G)                           E = head_dim
+  F = MLP width             V = vocabulary
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from research.config import ModelConfig, RopeScaling
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32, cast back to the input dtype before the weight (as HF)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """Inverse frequencies [E/2] in float32, with Llama-3 frequency-dependent scaling if given."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
+    inv_freq = inv_freq.astype(np.float32)
+    if scaling is None:
+        return inv_freq
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths (low frequencies) are slowed down by `factor`, short ones kept, the band
+    # in between interpolated smoothly.
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """cos and sin tables [..., E] for integer positions [...] (HF's half-split layout)."""
+    inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., E/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [..., E]
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate x [B, T, heads, E] by cos/sin [B, T, E] (rotate-half convention of HF)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos = cos[:, :, None, :].astype(x.dtype)
+    sin = sin[:, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """SwiGLU MLP: x [..., D] -> [..., D] with w_gate, w_up [D, F] and w_down [F, D]."""
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def grouped_query_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float
+) -> jax.Array:
+    """Masked softmax attention with grouped KV heads.
+
+    q [B, T, H, E], k and v [B, K, S, E], mask [B, T, S] (True = attend) -> [B, T, H, E].
+    Scores and softmax run in float32. Masked keys contribute exactly zero, even when the cache
+    holds NaN or garbage there.
+    """
+    b, t, h, e = q.shape
+    kvh = k.shape[1]
+    qg = q.reshape(b, t, kvh, h // kvh, e)
+    scores = jnp.einsum("BTKGE,BKSE->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
+    m = mask[:, None, None, :, :]
+    scores = jnp.where(m, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(m, probs, 0.0).astype(v.dtype)
+    v = jnp.where(mask.any(axis=1)[:, None, :, None], v, jnp.zeros((), v.dtype))
+    out = jnp.einsum("BKGTS,BKSE->BTKGE", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, e).astype(q.dtype)

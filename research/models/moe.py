@@ -1,0 +1,60 @@
+"""Qwen3-MoE (A3B) sparse MLP: softmax router over all experts, top-k, SwiGLU experts.
+
+Tokens are sorted by expert and each expert's contiguous slice is multiplied by that expert's
+weights with one grouped GEMM (``grouped_matmul``, ``jax.lax.ragged_dot`` semantics); the Pallas
+grouped-experts kernel plugs in behind the same function.
+
+Axis legend: N = tokens, D = hidden, E = experts, A = activated experts per token (top-k),
+F = expert MLP width, R = routed rows (N * A).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def route(
+    x: jax.Array, w_router: jax.Array, top_k: int, norm_topk_prob: bool
+) -> tuple[jax.Array, jax.Array]:
+    """Router: x [N, D], w_router [D, E] -> (weights [N, A] float32, expert ids [N, A] int32)."""
+    logits = (x @ w_router).astype(jnp.float32)  # [N, E]
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """lhs [R, Din] sorted by group, rhs [E, Din, Dout], group_sizes [E] -> [R, Dout]."""
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype)
+
+
+def moe_mlp(
+    x: jax.Array,
+    w_router: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+) -> jax.Array:
+    """x [N, D] -> [N, D]. Expert weights: w_gate, w_up [E, D, F]; w_down [E, F, D]."""
+    n, _ = x.shape
+    num_experts = w_gate.shape[0]
+    weights, experts = route(x, w_router, top_k, norm_topk_prob)  # [N, A]
+
+    flat_experts = experts.reshape(-1)  # [R]
+    order = jnp.argsort(flat_experts, stable=True)  # rows grouped by expert
+    token_of_row = order // top_k  # [R] which token each sorted row came from
+    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)  # [E]
+
+    xs = x[token_of_row]  # [R, D]
+    h = jax.nn.silu(grouped_matmul(xs, w_gate, group_sizes)) * grouped_matmul(
+        xs, w_up, group_sizes
+    )  # [R, F]
+    ys = grouped_matmul(h, w_down, group_sizes)  # [R, D]
+    row_weight = weights.reshape(-1)[order].astype(ys.dtype)  # [R]
+    return jnp.zeros_like(x).at[token_of_row].add(ys * row_weight[:, None])

