@@ -57,7 +57,7 @@ class LLM:
         self.seed = seed
         self.model_config, self.params, self.tokenizer = load_model(model, self.dtype, seed)
         cfg = self.model_config
-        self.max_model_len = max_model_len or cfg.max_position_embeddings
+        self.max_model_len = cfg.max_position_embeddings if max_model_len is None else max_model_len
         if not 1 < self.max_model_len <= cfg.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={self.max_model_len} must be in [2, "
@@ -94,10 +94,11 @@ class LLM:
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         encoded = [self._encode(p) for p in prompt_list]
-        for (text, ids), sp in zip(encoded, params_list, strict=True):
+        for (_text, ids), sp in zip(encoded, params_list, strict=True):
             self._validate(ids, sp)
         return [
-            self._run_one(text, ids, sp) for (text, ids), sp in zip(encoded, params_list, strict=True)
+            self._run_one(text, ids, sp)
+            for (text, ids), sp in zip(encoded, params_list, strict=True)
         ]
 
     def chat(
@@ -169,12 +170,10 @@ class LLM:
         if not ids:
             raise ValueError("prompt is empty (0 tokens)")
         for t in ids:
-            if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
                 raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}"
-            )
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
         if len(ids) + sp.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens and max_tokens is {sp.max_tokens}: "
@@ -244,8 +243,11 @@ class LLM:
                 break
             st = SamplingTensors.from_params([sp], [seed], [len(out_ids)])
             cache, next_token = self._decode(
-                self.params, cache, jnp.asarray([token], jnp.int32),
-                jnp.asarray([n + len(out_ids) - 1], jnp.int32), st,
+                self.params,
+                cache,
+                jnp.asarray([token], jnp.int32),
+                jnp.asarray([n + len(out_ids) - 1], jnp.int32),
+                st,
             )
         metrics.finished_time = time.perf_counter()
         if not (isinstance(stop_reason, str)) and self.tokenizer is not None:

@@ -29,8 +29,9 @@ class SamplingTensors:
     step: jax.Array  # int32 tokens generated so far by the row (folded into the key)
 
     @classmethod
-    def from_params(cls, params: list[SamplingParams], seeds: list[int], steps: list[int]
-                    ) -> SamplingTensors:
+    def from_params(
+        cls, params: list[SamplingParams], seeds: list[int], steps: list[int]
+    ) -> SamplingTensors:
         return cls(
             temperature=jnp.asarray(np.array([p.temperature for p in params], np.float32)),
             top_k=jnp.asarray(np.array([max(p.top_k, 0) for p in params], np.int32)),
@@ -50,7 +51,7 @@ def _filtered_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> j
     # top-p: keep the smallest prefix of the sorted distribution whose mass reaches p.
     probs = jax.nn.softmax(jnp.where(sorted_logits >= kth, sorted_logits, -jnp.inf), axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep_sorted = mass_before < top_p[:, None]
+    keep_sorted = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
     keep_sorted = keep_sorted.at[:, 0].set(True)
     n_keep = jnp.sum(keep_sorted & (sorted_logits >= kth), axis=-1)  # [B] >= 1
     threshold = jnp.take_along_axis(sorted_logits, (n_keep - 1)[:, None], axis=-1)
@@ -60,11 +61,16 @@ def _filtered_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> j
 def sample(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     """Next token per row: logits [B, V] float32 -> token ids [B] int32."""
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    needs_filter = jnp.any((st.top_k > 0) | (st.top_p < 1.0))
-    filtered = jax.lax.cond(
-        needs_filter, lambda x: _filtered_logits(x, st.top_k, st.top_p), lambda x: x, logits
-    )
+    # Temperature first, then top-k / top-p on the tempered distribution (vLLM's order).
     temperature = jnp.where(st.temperature > 0, st.temperature, 1.0)
+    scaled = logits / temperature[:, None]
+    row_filters = (st.top_k > 0) | (st.top_p < 1.0)  # [B]; rows without filters are untouched
+    scaled = jax.lax.cond(
+        jnp.any(row_filters),
+        lambda x: jnp.where(row_filters[:, None], _filtered_logits(x, st.top_k, st.top_p), x),
+        lambda x: x,
+        scaled,
+    )
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(st.seed, st.step)
-    sampled = jax.vmap(jax.random.categorical)(keys, filtered / temperature[:, None])
+    sampled = jax.vmap(jax.random.categorical)(keys, scaled)
     return jnp.where(st.temperature > 0, sampled.astype(jnp.int32), greedy_tokens)

@@ -42,7 +42,7 @@ def moe_mlp(
     norm_topk_prob: bool,
 ) -> jax.Array:
     """x [N, D] -> [N, D]. Expert weights: w_gate, w_up [E, D, F]; w_down [E, F, D]."""
-    n, _ = x.shape
+    _n, _ = x.shape
     num_experts = w_gate.shape[0]
     weights, experts = route(x, w_router, top_k, norm_topk_prob)  # [N, A]
 

@@ -41,10 +41,6 @@ def smollm2_gguf_path() -> Path:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _stack_layers(per_layer: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    return {k: np.stack([layer[k] for layer in per_layer]) for k in per_layer[0]}
-
-
 def _to_params(tree: Any, cfg: ModelConfig, dtype: Any) -> Params:
     """Cast a numpy tree to jax arrays of ``dtype`` and check it against the config's shapes."""
     check_shapes(tree, param_shapes(cfg), what=f"weights for {cfg.name}")
@@ -53,10 +49,16 @@ def _to_params(tree: Any, cfg: ModelConfig, dtype: Any) -> Params:
 
 def check_shapes(tree: Any, expected: Any, what: str) -> None:
     """Raise a ValueError naming the first leaf whose presence or shape differs."""
-    got = {jax.tree_util.keystr(p): tuple(np.shape(v)) for p, v in
-           jax.tree_util.tree_flatten_with_path(tree)[0]}
-    want = {jax.tree_util.keystr(p): tuple(v) for p, v in jax.tree_util.tree_flatten_with_path(
-        expected, is_leaf=lambda s: isinstance(s, tuple))[0]}
+    got = {
+        jax.tree_util.keystr(p): tuple(np.shape(v))
+        for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+    want = {
+        jax.tree_util.keystr(p): tuple(v)
+        for p, v in jax.tree_util.tree_flatten_with_path(
+            expected, is_leaf=lambda s: isinstance(s, tuple)
+        )[0]
+    }
     for name in sorted(set(got) | set(want)):
         if name not in got:
             raise ValueError(f"{what}: leaf {name} is missing (expected shape {want[name]})")
@@ -106,7 +108,9 @@ def config_from_gguf(reader: Any, name: str | None = None) -> ModelConfig:
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     bos = _gguf_field(reader, "tokenizer.ggml.bos_token_id")
     scaling = None
-    if f("rope.scaling.type") == "llama3" or any(t.name == "rope_freqs.weight" for t in reader.tensors):
+    if f("rope.scaling.type") == "llama3" or any(
+        t.name == "rope_freqs.weight" for t in reader.tensors
+    ):
         raise ValueError("GGUF files with llama3 rope_freqs are not supported; use safetensors")
     return ModelConfig(
         name=name or str(_gguf_field(reader, "general.name", arch)),
@@ -132,8 +136,9 @@ def config_from_gguf(reader: Any, name: str | None = None) -> ModelConfig:
     )
 
 
-def load_gguf(path: str | os.PathLike, dtype: Any = jnp.float32, name: str | None = None
-              ) -> tuple[ModelConfig, Params]:
+def load_gguf(
+    path: str | os.PathLike, dtype: Any = jnp.float32, name: str | None = None
+) -> tuple[ModelConfig, Params]:
     """Read a GGUF file, dequantize every tensor with ``gguf.quants`` and build params."""
     import gguf
 
@@ -176,7 +181,7 @@ def load_gguf(path: str | os.PathLike, dtype: Any = jnp.float32, name: str | Non
 
     tree: dict[str, Any] = {
         "embed": tensors["token_embd.weight"],
-        "layers": _stack_layers(per_layer),
+        "layers": per_layer,
         "final_norm": tensors["output_norm.weight"],
     }
     if not cfg.tie_word_embeddings:
@@ -209,7 +214,9 @@ def config_from_hf(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
     if model_type == "qwen3_moe":
         sparse_step = hf.get("decoder_sparse_step", 1)
         if sparse_step != 1 or hf.get("mlp_only_layers"):
-            raise ValueError("qwen3_moe with dense layers (mlp_only_layers / sparse step) unsupported")
+            raise ValueError(
+                "qwen3_moe with dense layers (mlp_only_layers / sparse step) unsupported"
+            )
     heads = hf["num_attention_heads"]
     eos = hf.get("eos_token_id")
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
@@ -239,8 +246,9 @@ def config_from_hf(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
     )
 
 
-def load_hf_safetensors(path: str | os.PathLike, dtype: Any = jnp.float32
-                        ) -> tuple[ModelConfig, Params]:
+def load_hf_safetensors(
+    path: str | os.PathLike, dtype: Any = jnp.float32
+) -> tuple[ModelConfig, Params]:
     """Load an HF model directory (``config.json`` + ``*.safetensors``) into params."""
     from safetensors import safe_open
 
@@ -276,8 +284,10 @@ def load_hf_safetensors(path: str | os.PathLike, dtype: Any = jnp.float32
         if any(re.fullmatch(p + r"self_attn\.[qkv]_proj\.bias", k) for k in tensors):
             raise ValueError(f"{path}: attention biases are not supported")
         if cfg.qk_norm:
-            layer |= {"q_norm": t(p + "self_attn.q_norm.weight"),
-                      "k_norm": t(p + "self_attn.k_norm.weight")}
+            layer |= {
+                "q_norm": t(p + "self_attn.q_norm.weight"),
+                "k_norm": t(p + "self_attn.k_norm.weight"),
+            }
         if cfg.is_moe:
             layer["router"] = t(p + "mlp.gate.weight").T
             fused = p + "mlp.experts.gate_up_proj"
@@ -288,20 +298,25 @@ def load_hf_safetensors(path: str | os.PathLike, dtype: Any = jnp.float32
                 layer["w_up"] = gate_up[:, f:].transpose(0, 2, 1)
                 layer["w_down"] = t(p + "mlp.experts.down_proj").transpose(0, 2, 1)
             else:  # hub layout: one [out, in] matrix per expert
-                for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"),
-                                     ("w_down", "down_proj")):
-                    layer[ours] = np.stack([
-                        t(f"{p}mlp.experts.{e}.{theirs}.weight").T for e in range(cfg.num_experts)
-                    ])
+                for ours, theirs in (
+                    ("w_gate", "gate_proj"),
+                    ("w_up", "up_proj"),
+                    ("w_down", "down_proj"),
+                ):
+                    layer[ours] = np.stack(
+                        [t(f"{p}mlp.experts.{e}.{theirs}.weight").T for e in range(cfg.num_experts)]
+                    )
         else:
-            layer |= {"w_gate": t(p + "mlp.gate_proj.weight").T,
-                      "w_up": t(p + "mlp.up_proj.weight").T,
-                      "w_down": t(p + "mlp.down_proj.weight").T}
+            layer |= {
+                "w_gate": t(p + "mlp.gate_proj.weight").T,
+                "w_up": t(p + "mlp.up_proj.weight").T,
+                "w_down": t(p + "mlp.down_proj.weight").T,
+            }
         per_layer.append(layer)
 
     tree: dict[str, Any] = {
         "embed": t("model.embed_tokens.weight"),
-        "layers": _stack_layers(per_layer),
+        "layers": per_layer,
         "final_norm": t("model.norm.weight"),
     }
     if not cfg.tie_word_embeddings:
@@ -333,8 +348,9 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
     return (Path(path) / _CONFIG_FILE).exists() and (Path(path) / _PARAMS_DIR).is_dir()
 
 
-def restore_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None
-                       ) -> tuple[ModelConfig, Params]:
+def restore_checkpoint(
+    path: str | os.PathLike, cfg: ModelConfig | None = None
+) -> tuple[ModelConfig, Params]:
     """Restore params saved by ``save_checkpoint``.
 
     With ``cfg`` given, the checkpoint must match its shapes: otherwise a ValueError names the
@@ -349,12 +365,15 @@ def restore_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None
     cfg = cfg or saved_cfg
     with ocp.StandardCheckpointer() as ckptr:
         meta = ckptr.metadata(path / _PARAMS_DIR).item_metadata.tree
-        stored = jax.tree_util.tree_map(lambda m: tuple(m.shape), meta,
-                                        is_leaf=lambda m: hasattr(m, "shape"))
+        stored = jax.tree_util.tree_map(
+            lambda m: tuple(m.shape), meta, is_leaf=lambda m: hasattr(m, "shape")
+        )
         _check_stored(stored, param_shapes(cfg), path, cfg.name)
         target = jax.tree_util.tree_map(
-            lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), meta,
-            is_leaf=lambda m: hasattr(m, "shape"))
+            lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype),
+            meta,
+            is_leaf=lambda m: hasattr(m, "shape"),
+        )
         params = ckptr.restore(path / _PARAMS_DIR, target)
     return cfg, params
 

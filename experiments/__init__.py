@@ -1,0 +1,1 @@
+"""Experiment entry points (Hydra apps, benchmarks) and plotting."""

@@ -1,0 +1,213 @@
+"""Bad input to LLM / SamplingParams raises a ValueError with a reason; the LLM keeps working."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from research import LLM, SamplingParams
+
+MAX_MODEL_LEN = 64
+VOCAB = 256  # tiny-llama
+GOOD_PROMPT = [1, 2, 3]
+GOOD_PARAMS = SamplingParams(max_tokens=4, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny-llama", max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(llm):
+    """Greedy tokens for GOOD_PROMPT before any bad call was made."""
+    out = llm.generate([GOOD_PROMPT], GOOD_PARAMS)
+    assert len(out) == 1 and len(out[0].token_ids) == 4
+    return out[0].token_ids
+
+
+def _assert_still_works(llm, reference_tokens):
+    out = llm.generate([GOOD_PROMPT], GOOD_PARAMS)
+    assert len(out) == 1
+    assert len(out[0].token_ids) == 4
+    assert out[0].token_ids == reference_tokens
+    assert out[0].finish_reason == "length"
+
+
+# ----------------------------------------------------------------------------- model loading
+
+
+def test_unknown_preset_lists_known_presets():
+    with pytest.raises(ValueError, match="unknown model preset") as excinfo:
+        LLM("no-such-model")
+    message = str(excinfo.value)
+    assert "'no-such-model'" in message
+    for known in ("tiny-llama", "tiny-qwen3-moe", "smollm2-135m", "llama-3.3-70b"):
+        assert known in message
+
+
+def test_full_size_preset_is_shapes_only():
+    with pytest.raises(ValueError, match="shapes only"):
+        LLM("llama-3.3-70b")
+
+
+def test_bad_dtype_is_rejected():
+    with pytest.raises(ValueError, match="dtype"):
+        LLM("tiny-llama", dtype="float16")
+
+
+@pytest.mark.parametrize("max_model_len", [1, 513, 100_000])
+def test_max_model_len_outside_the_context_is_rejected(max_model_len):
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM("tiny-llama", max_model_len=max_model_len)
+
+
+def test_existing_path_that_is_no_model_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match=r"neither a \.gguf file"):
+        LLM(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": -0.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"top_k": -2}, "top_k"),
+        ({"stop": ["ok", ""]}, "stop strings"),
+    ],
+)
+def test_bad_sampling_params_raise_at_construction(kwargs, reason):
+    with pytest.raises(ValueError, match=reason):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_edge_values_are_accepted():
+    sp = SamplingParams(temperature=0, top_p=1.0, top_k=-1, max_tokens=1, stop="x")
+    assert sp.greedy
+    assert sp.stop == ("x",)
+    assert SamplingParams(top_p=1e-6, top_k=1, stop_token_ids=[np.int64(5)]).stop_token_ids == (5,)
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def _long_prompt(n: int) -> list[int]:
+    return [(i % (VOCAB - 3)) + 3 for i in range(n)]
+
+
+BAD_GENERATE_CALLS = {
+    "empty_prompt": ([[]], GOOD_PARAMS, "empty"),
+    "empty_prompt_dict": ({"prompt_token_ids": []}, GOOD_PARAMS, "empty"),
+    "no_prompts": ([], GOOD_PARAMS, "no prompts"),
+    "prompt_longer_than_max_model_len": (
+        [_long_prompt(100)],
+        GOOD_PARAMS,
+        "max_model_len",
+    ),
+    "prompt_exactly_max_model_len": (
+        [_long_prompt(MAX_MODEL_LEN)],
+        GOOD_PARAMS,
+        "max_model_len",
+    ),
+    "prompt_plus_max_tokens_too_long": (
+        [_long_prompt(60)],
+        SamplingParams(max_tokens=8, temperature=0),
+        "exceeds max_model_len",
+    ),
+    "negative_token_id": ([[1, -1, 3]], GOOD_PARAMS, "outside the vocabulary"),
+    "token_id_equal_to_vocab_size": ([[1, VOCAB, 3]], GOOD_PARAMS, "outside the vocabulary"),
+    "huge_token_id": ([[10**12]], GOOD_PARAMS, "outside the vocabulary"),
+    "float_token_id": ([[1, 2.5, 3]], GOOD_PARAMS, "outside the vocabulary"),
+    "string_prompt_without_tokenizer": (["hello"], GOOD_PARAMS, "no tokenizer"),
+    "bare_string_prompt_without_tokenizer": ("hello", GOOD_PARAMS, "no tokenizer"),
+    "string_in_dict_without_tokenizer": ({"prompt": "hello"}, GOOD_PARAMS, "no tokenizer"),
+    "dict_without_prompt_keys": ({"text": "hello"}, GOOD_PARAMS, "prompt_token_ids"),
+    "prompt_of_wrong_type": ([3.5], GOOD_PARAMS, "a prompt is"),
+    "too_few_sampling_params": (
+        [[1, 2], [3, 4]],
+        [GOOD_PARAMS],
+        "1 SamplingParams for 2 prompts",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("prompts", "sampling_params", "reason"),
+    list(BAD_GENERATE_CALLS.values()),
+    ids=list(BAD_GENERATE_CALLS),
+)
+def test_bad_generate_call_raises_and_llm_keeps_working(
+    llm, reference_tokens, prompts, sampling_params, reason
+):
+    with pytest.raises(ValueError, match=reason):
+        llm.generate(prompts, sampling_params)
+    _assert_still_works(llm, reference_tokens)
+
+
+def test_chat_without_tokenizer_raises(llm, reference_tokens):
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.chat([{"role": "user", "content": "hi"}])
+    _assert_still_works(llm, reference_tokens)
+
+
+def test_one_bad_prompt_in_a_batch_fails_the_whole_batch_up_front(llm, reference_tokens):
+    counter_before = llm._request_counter
+    prompts = [[1, 2, 3], [4, 5, 6], [7, VOCAB + 10], [8, 9]]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate(prompts, GOOD_PARAMS)
+    # Validation happens before any request runs: no request id was handed out.
+    assert llm._request_counter == counter_before
+    # The same holds when the bad one is the last prompt and the reason is its length.
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([[1, 2, 3], _long_prompt(MAX_MODEL_LEN + 1)], GOOD_PARAMS)
+    assert llm._request_counter == counter_before
+    _assert_still_works(llm, reference_tokens)
+
+
+def test_longest_valid_prompt_is_accepted(llm, reference_tokens):
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    out = llm.generate([_long_prompt(MAX_MODEL_LEN - 4)], sp)
+    assert len(out[0].token_ids) == 4
+    assert all(0 <= t < VOCAB for t in out[0].token_ids)
+    _assert_still_works(llm, reference_tokens)
+
+
+def test_boundary_token_ids_are_accepted(llm):
+    out = llm.generate([[0, VOCAB - 1]], GOOD_PARAMS)
+    assert out[0].prompt_token_ids == [0, VOCAB - 1]
+    assert 1 <= len(out[0].token_ids) <= 4
+
+
+def test_prompt_forms_give_identical_greedy_outputs(llm, reference_tokens):
+    forms = [
+        [[1, 2, 3]],
+        [1, 2, 3],
+        (1, 2, 3),
+        np.array([1, 2, 3]),
+        {"prompt_token_ids": [1, 2, 3]},
+        [{"prompt_token_ids": [1, 2, 3]}],
+        [np.array([1, 2, 3], np.int32)],
+    ]
+    for form in forms:
+        out = llm.generate(form, GOOD_PARAMS)
+        assert len(out) == 1, f"{form!r} gave {len(out)} outputs"
+        assert out[0].prompt_token_ids == [1, 2, 3]
+        assert out[0].token_ids == reference_tokens, f"{form!r} gave {out[0].token_ids}"
+
+
+def test_batch_of_token_id_lists_matches_single_calls(llm, reference_tokens):
+    outs = llm.generate([[1, 2, 3], [1, 2, 3]], GOOD_PARAMS)
+    assert [o.token_ids for o in outs] == [reference_tokens, reference_tokens]
+    assert outs[0].request_id != outs[1].request_id
