@@ -103,3 +103,46 @@ class ModelConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool: ``num_kv_blocks`` blocks of ``block_size`` tokens, shared by all
+    sequences. ``num_kv_blocks=None`` sizes the pool from ``kv_cache_memory_bytes``."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Iteration-level scheduling (vLLM's names).
+
+    ``continuous`` rebuilds the batch every step; ``static`` admits a new batch only when every
+    request of the previous one has finished (the baseline continuous batching is compared to).
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    scheduling_policy: Literal["continuous", "static"] = "continuous"
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.scheduling_policy not in ("continuous", "static"):
+            raise ValueError(
+                f"scheduling_policy must be 'continuous' or 'static', got {self.scheduling_policy!r}"
+            )

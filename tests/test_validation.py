@@ -163,16 +163,18 @@ def test_chat_without_tokenizer_raises(llm, reference_tokens):
 
 
 def test_one_bad_prompt_in_a_batch_fails_the_whole_batch_up_front(llm, reference_tokens):
-    counter_before = llm._request_counter
+    steps_before = llm.engine.num_steps
     prompts = [[1, 2, 3], [4, 5, 6], [7, VOCAB + 10], [8, 9]]
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate(prompts, GOOD_PARAMS)
-    # Validation happens before any request runs: no request id was handed out.
-    assert llm._request_counter == counter_before
+    # Validation happens before any request runs: nothing was queued or stepped.
+    assert llm.engine.num_steps == steps_before
+    assert not llm.engine.has_unfinished_requests()
     # The same holds when the bad one is the last prompt and the reason is its length.
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([[1, 2, 3], _long_prompt(MAX_MODEL_LEN + 1)], GOOD_PARAMS)
-    assert llm._request_counter == counter_before
+    assert llm.engine.num_steps == steps_before
+    assert not llm.engine.has_unfinished_requests()
     _assert_still_works(llm, reference_tokens)
 
 

@@ -1,0 +1,261 @@
+"""The engine: one step is schedule -> execute -> commit.
+
+``add_request`` validates and queues; ``step`` runs one iteration of continuous batching and
+returns a RequestOutput for every request that produced a token or finished; ``abort`` drops a
+request and returns its blocks. Timestamps (arrival, first scheduled, first token, every token,
+finish) ride on each output for the benchmark metrics.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import numpy as np
+
+from research.config import CacheConfig, ModelConfig, SchedulerConfig
+from research.engine.block_manager import BlockManager
+from research.engine.executor import ModelExecutor, StepResult, num_blocks_for
+from research.engine.request import RequestMetrics, RequestOutput, SamplingParams
+from research.engine.scheduler import Scheduler, StepPlan
+from research.engine.sequence import Sequence, SequenceStatus
+from research.models.transformer import Params
+from research.tokenizer import Tokenizer
+
+
+class Engine:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: Params,
+        tokenizer: Tokenizer | None = None,
+        *,
+        cache_config: CacheConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+        max_model_len: int | None = None,
+        dtype: Any = None,
+        attention_backend: str = "xla",
+        seed: int = 0,
+        poison_freed_blocks: bool = False,
+    ):
+        import jax.numpy as jnp
+
+        self.model_config = cfg
+        self.tokenizer = tokenizer
+        self.cache_config = cache_config or CacheConfig()
+        self.scheduler_config = scheduler_config or SchedulerConfig()
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
+        self.seed = seed
+        dtype = dtype or jnp.float32
+        num_blocks = num_blocks_for(
+            cfg, self.cache_config, self.scheduler_config, self.max_model_len, dtype
+        )
+        self.block_manager = BlockManager(
+            num_blocks, self.cache_config.block_size, self.cache_config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        # Isolation testing: pages start as NaN and every freed block is refilled with NaN.
+        self.poison_freed_blocks = poison_freed_blocks
+        if poison_freed_blocks:
+            self.block_manager.freed_blocks = []
+        self.executor = ModelExecutor(
+            cfg,
+            params,
+            self.cache_config,
+            self.scheduler_config,
+            num_blocks=num_blocks,
+            max_model_len=self.max_model_len,
+            dtype=dtype,
+            attention_backend=attention_backend,
+            kv_fill_value=float("nan") if poison_freed_blocks else 0.0,
+        )
+        self.requests: dict[str, Sequence] = {}
+        self.num_steps = 0
+        self._counter = 0
+        self._eos = set(cfg.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self._eos.add(tokenizer.eos_token_id)
+
+    # ------------------------------------------------------------------ requests
+
+    def validate(self, prompt_token_ids: Seq[int], sp: SamplingParams) -> None:
+        """Raise ValueError with the reason if the request cannot be served."""
+        vocab = self.model_config.vocab_size
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt is empty (0 tokens)")
+        for t in prompt_token_ids:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens; max_model_len is {self.max_model_len}")
+        if n + sp.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens and max_tokens is {sp.max_tokens}: {n + sp.max_tokens} "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
+        budget = self.scheduler_config.max_num_batched_tokens
+        if not self.scheduler_config.enable_chunked_prefill and n + sp.max_tokens > budget:
+            # A preempted request recomputes prompt + outputs in one step without chunking.
+            raise ValueError(
+                f"prompt + max_tokens = {n + sp.max_tokens} tokens exceeds "
+                f"max_num_batched_tokens {budget} and chunked prefill is off"
+            )
+        pool_tokens = self.block_manager.num_blocks * self.block_manager.block_size
+        if n + sp.max_tokens > pool_tokens:
+            raise ValueError(
+                f"prompt + max_tokens = {n + sp.max_tokens} tokens exceeds the whole KV pool "
+                f"({pool_tokens} tokens); raise num_kv_blocks"
+            )
+
+    def add_request(
+        self,
+        prompt_token_ids: Seq[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Validate and queue a request; returns its id. Bad input raises ValueError and
+        leaves the engine and every running request untouched."""
+        sp = sampling_params or SamplingParams()
+        if request_id is None:
+            request_id = f"req-{self._counter}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = [int(t) if isinstance(t, np.integer) else t for t in prompt_token_ids]
+        self.validate(ids, sp)
+        self._counter += 1
+        seed = (
+            sp.seed
+            if sp.seed is not None
+            else self.seed * 1_000_003 + zlib.crc32(request_id.encode())
+        )
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(ids),
+            sampling_params=sp,
+            seed=seed & 0xFFFFFFFF,
+            metrics=RequestMetrics(arrival_time=arrival_time or time.perf_counter()),
+            prompt=prompt,
+        )
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and return its blocks to the pool. False if it is unknown or done."""
+        seq = self.requests.get(request_id)
+        if seq is None or seq.is_finished:
+            return False
+        seq.finish_reason = "abort"
+        self._finish(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_compilations(self) -> int:
+        return self.executor.num_compilations
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute and commit one iteration; outputs of requests that advanced."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError(
+                    "the scheduler could not schedule any waiting request; this is a bug "
+                    f"(stats: {self.stats()})"
+                )
+            return []
+        now = time.perf_counter()
+        for item in plan.scheduled:
+            if item.seq.metrics.first_scheduled_time is None:
+                item.seq.metrics.first_scheduled_time = now
+        result = self.executor.execute(plan)
+        self.num_steps += 1
+        return self._commit(plan, result)
+
+    def _commit(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        now = time.perf_counter()
+        outputs = []
+        for seq in self.scheduler.commit(plan):
+            token = result.tokens[seq.request_id]
+            m = seq.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.token_times.append(now)
+            seq.top2_gaps.append(result.top2_gaps[seq.request_id])
+            self._append_and_check_stop(seq, token)
+            if seq.finish_reason is not None:
+                self._finish(seq)
+            outputs.append(self._output(seq))
+        if self.poison_freed_blocks:
+            freed, self.block_manager.freed_blocks = self.block_manager.freed_blocks, []
+            self.executor.poison_blocks(freed)
+        return outputs
+
+    def _append_and_check_stop(self, seq: Sequence, token: int) -> None:
+        sp = seq.sampling_params
+        if token in sp.stop_token_ids:
+            seq.output_token_ids.append(token)  # explicit stop tokens are kept (as vLLM)
+            seq.finish_reason, seq.stop_reason = "stop", token
+            return
+        if not sp.ignore_eos and token in self._eos:
+            seq.finish_reason, seq.stop_reason = "stop", token  # EOS is not part of the output
+            return
+        seq.output_token_ids.append(token)
+        if sp.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids, sp.skip_special_tokens)
+            hit = next((s for s in sp.stop if s in text), None)
+            if hit is not None:
+                seq.finish_reason, seq.stop_reason = "stop", hit
+                seq.output_text = text[: text.index(hit)]
+                return
+        if len(seq.output_token_ids) >= sp.max_tokens:
+            seq.finish_reason = "length"
+
+    def _finish(self, seq: Sequence) -> None:
+        self.requests.pop(seq.request_id, None)
+        self.scheduler.finish(seq)
+        seq.metrics.finished_time = time.perf_counter()
+        seq.status = SequenceStatus.FINISHED
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        text = seq.output_text
+        # Text is decoded once, at the end; streaming callers decode token ids themselves.
+        if self.tokenizer is not None and seq.is_finished and not isinstance(seq.stop_reason, str):
+            text = self.tokenizer.decode(
+                seq.output_token_ids, seq.sampling_params.skip_special_tokens
+            )
+            seq.output_text = text
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=text,
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason,
+            metrics=seq.metrics,
+            stop_reason=seq.stop_reason,
+        )
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> dict[str, Any]:
+        bm = self.block_manager
+        return {
+            "num_steps": self.num_steps,
+            "num_compilations": self.num_compilations,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
+        }

@@ -1,0 +1,160 @@
+"""Iteration-level scheduler, on the host. No JAX here.
+
+Every step: running sequences first (one decode token each, or the next prefill chunk), then
+waiting ones, under ``max_num_seqs`` and a token budget of ``max_num_batched_tokens``. When the
+block pool cannot hold a running sequence's next tokens, the newest running sequence is
+preempted by recompute: its blocks are freed and it goes back to the head of the waiting queue.
+
+``static`` policy: waiting sequences are admitted only when no sequence is running, so a batch
+runs until its longest member finishes (the baseline continuous batching is measured against).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from research.config import SchedulerConfig
+from research.engine.block_manager import BlockManager
+from research.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    """``num_new_tokens`` tokens of ``seq`` starting at position ``start`` run this step."""
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True if this chunk reaches the sequence's last token, so its sample is kept."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class StepPlan:
+    """What one step computes. Decodes are single-token rows; prefills are chunks."""
+
+    decodes: list[ScheduledSeq] = field(default_factory=list)
+    prefills: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def scheduled(self) -> list[ScheduledSeq]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queues
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a running or waiting sequence and return its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        plan.preempted.append(seq)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> StepPlan:
+        cfg = self.config
+        plan = StepPlan()
+        budget = cfg.max_num_batched_tokens
+
+        # 1. Running sequences, oldest first; the newest is preempted when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = seq.num_uncomputed_tokens
+            if num_new > budget and not cfg.enable_chunked_prefill:
+                i += 1
+                continue
+            num_new = min(num_new, budget)
+            start = seq.num_computed_tokens
+            while not self.block_manager.allocate_slots(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, plan)
+                if victim is seq:
+                    break
+            else:
+                self._add_to_plan(plan, ScheduledSeq(seq, start, num_new))
+                budget -= num_new
+                i += 1
+
+        # 2. Waiting sequences, in order, while there is room (never in a step that preempted).
+        admit = not plan.preempted and (cfg.scheduling_policy == "continuous" or not self.running)
+        while admit and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            computed = self.block_manager.get_computed_blocks(seq)
+            num_computed = len(computed) * self.block_manager.block_size
+            num_new = seq.num_tokens - num_computed
+            if num_new > budget:
+                if not cfg.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.block_manager.allocate_slots(seq, num_new, computed):
+                break
+            self.waiting.popleft()
+            self.block_manager.record_prefix_lookup(seq.num_tokens, len(computed))
+            seq.num_computed_tokens = num_computed
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add_to_plan(plan, ScheduledSeq(seq, num_computed, num_new))
+            budget -= num_new
+
+        plan.block_copies = self.block_manager.take_pending_copies()
+        return plan
+
+    @staticmethod
+    def _add_to_plan(plan: StepPlan, item: ScheduledSeq) -> None:
+        (plan.decodes if item.num_new_tokens == 1 else plan.prefills).append(item)
+
+    def commit(self, plan: StepPlan) -> list[Sequence]:
+        """Advance computed counts after the executor ran ``plan``; register full blocks.
+
+        Returns the sequences whose sample this step is a new token (the caller appends it)."""
+        sampled = []
+        for item in plan.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens = item.start + item.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if item.samples:
+                sampled.append(seq)
+        return sampled
