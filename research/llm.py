@@ -104,18 +104,9 @@ class LLM:
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         encoded = [self._encode(p) for p in prompt_list]
-        for (_, ids), sp in zip(encoded, params_list, strict=True):
-            self.engine.validate(ids, sp)
-        order = [
-            self.engine.add_request(ids, sp, prompt=text)
-            for (text, ids), sp in zip(encoded, params_list, strict=True)
-        ]
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(order):
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
-        return [final[rid] for rid in order]
+        return self.engine.generate(
+            [ids for _, ids in encoded], params_list, [text for text, _ in encoded]
+        )
 
     def chat(
         self,

@@ -49,7 +49,7 @@ def test_parameter_counts_match_published_totals(name, billions, tol):
 
 
 def test_unknown_preset_lists_known_names():
-    with pytest.raises(ValueError, match="unknown model preset 'nope'.*smollm2-135m"):
+    with pytest.raises(ValueError, match=r"unknown model preset 'nope'.*smollm2-135m"):
         get_preset("nope")
 
 

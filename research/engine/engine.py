@@ -145,6 +145,27 @@ class Engine:
         self.scheduler.add(seq)
         return request_id
 
+    def generate(
+        self,
+        prompt_token_ids: Seq[Seq[int]],
+        sampling_params: Seq[SamplingParams],
+        prompts: Seq[str | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Validate every request, queue them all, step until all finish; outputs in order."""
+        prompts = prompts or [None] * len(prompt_token_ids)
+        for ids, sp in zip(prompt_token_ids, sampling_params, strict=True):
+            self.validate(ids, sp)
+        order = [
+            self.add_request(ids, sp, prompt=text)
+            for ids, sp, text in zip(prompt_token_ids, sampling_params, prompts, strict=True)
+        ]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(order):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in order]
+
     def abort(self, request_id: str) -> bool:
         """Stop a request and return its blocks to the pool. False if it is unknown or done."""
         seq = self.requests.get(request_id)
@@ -243,6 +264,8 @@ class Engine:
             finish_reason=seq.finish_reason,
             metrics=seq.metrics,
             stop_reason=seq.stop_reason,
+            top2_logit_gaps=list(seq.top2_gaps),
+            num_preemptions=seq.num_preemptions,
         )
 
     # ------------------------------------------------------------------ stats

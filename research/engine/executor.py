@@ -1,14 +1,22 @@
 """The real executor: turns a StepPlan into fixed-shape arrays and runs the jitted step.
 
-Shapes are bucketed to powers of two so a run compiles a bounded number of functions:
-rows R (sequences in the call, up to max_num_seqs), tokens per row T (1 for decode, a bucket of
-the longest chunk for prefill) and blocks per row M (a bucket of the longest block table).
-Decode rows and prefill chunks run as two calls of the same function in one step. The KV pool is
-donated through every call, so it is updated in place.
+Tokens of all scheduled sequences are packed into one row of N tokens (so projections and MLPs
+cost what the real tokens cost); attention unpacks them per sequence. Shapes are bucketed to
+powers of two so a run compiles a bounded number of functions: packed tokens N, rows R
+(sequences in the call, up to max_num_seqs), tokens per row T (1 for decode, a bucket of the
+longest chunk for prefill) and blocks per row M (a bucket of the longest block table).
+Decode rows and prefill chunks run as two calls of the same function in one step. The step
+reads the KV pool; a second jitted call scatters the new K/V into the donated pool in place.
+
+The jitted functions live at module level with the model config as a static argument, so every
+executor of the same model in a process shares compiled code. ``STEP_TRACES`` counts how often
+the step was traced (= compiled) in this process; each executor also records the distinct step
+shapes it ran, which is what its compile count is bounded by.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +41,65 @@ from research.engine.scheduler import ScheduledSeq, StepPlan
 from research.models.transformer import Params, compute_logits, forward
 
 _PAD_PARAMS = SamplingParams(temperature=0.0)
+
+
+STEP_TRACES = [0]
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class StepBatch:
+    """One call's inputs: N packed tokens from R sequences (rows), as device arrays."""
+
+    tokens: jax.Array  # [N] int32
+    positions: jax.Array  # [N] int32, -1 = padding
+    token_row: jax.Array  # [N] int32, R = padding
+    token_col: jax.Array  # [N] int32
+    row_positions: jax.Array  # [R, T] int32, -1 = padding
+    block_tables: jax.Array  # [R, M] int32
+    logits_index: jax.Array  # [R] int32: the packed index of each row's last token
+    sampling: SamplingTensors  # [R] each
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend"))
+def model_step(
+    params: Params,
+    k_pool: list[jax.Array],
+    v_pool: list[jax.Array],
+    batch: StepBatch,
+    *,
+    cfg: ModelConfig,
+    backend: str,
+) -> tuple[list[jax.Array], list[jax.Array], jax.Array, jax.Array]:
+    """Forward + sample. Returns new K/V per layer ([N, K, E], for ``write_kv``), the sampled
+    token per row [R] and the gap between each row's two largest logits [R]."""
+    STEP_TRACES[0] += 1  # runs only while tracing
+    cache = PagedKVCache(
+        k_pool,
+        v_pool,
+        batch.block_tables,
+        batch.token_row,
+        batch.token_col,
+        batch.row_positions,
+        backend=backend,
+    )
+    hidden, cache = forward(params, cfg, batch.tokens[None], batch.positions[None], cache)
+    logits = compute_logits(params, cfg, hidden[0, batch.logits_index])  # [R, V]
+    return cache.new_k, cache.new_v, sample(logits, batch.sampling), top2_gap(logits)
+
+
+def top2_gap(logits: jax.Array) -> jax.Array:
+    """Largest minus second-largest logit per row [R]. (lax.top_k lowers to a full sort on
+    XLA:CPU: 275 ms for 32 x 49152; two max passes cost microseconds.)"""
+    best = jnp.argmax(logits, axis=-1)
+    first = jnp.max(logits, axis=-1)
+    masked = jnp.where(jnp.arange(logits.shape[-1]) == best[:, None], -jnp.inf, logits)
+    return first - jnp.max(masked, axis=-1)
+
+
+_write_kv = jax.jit(write_kv, donate_argnums=(0, 1))
+_copy_blocks = jax.jit(copy_blocks, donate_argnums=(0, 1))
+_fill_blocks = jax.jit(fill_blocks, donate_argnums=(0, 1), static_argnums=(3,))
 
 
 def bucket(n: int, minimum: int, maximum: int) -> int:
@@ -91,33 +158,12 @@ class ModelExecutor:
         self.k_pool, self.v_pool = init_kv_pool(
             cfg, num_blocks, cache.block_size, dtype, kv_fill_value
         )
-        self.num_compilations = 0  # traces of the step function (one per new shape)
-        self._step = jax.jit(self._step_fn)
-        self._write = jax.jit(write_kv, donate_argnums=(0, 1))
-        self._copy = jax.jit(copy_blocks, donate_argnums=(0, 1))
-        self._fill = jax.jit(fill_blocks, donate_argnums=(0, 1), static_argnums=(3,))
+        self.step_shapes: set[tuple[int, ...]] = set()  # (N, R, T, M) of every call run
 
-    # ------------------------------------------------------------------ device
-
-    def _step_fn(
-        self,
-        params,
-        k_pool,
-        v_pool,
-        tokens,
-        positions,
-        block_tables,
-        logits_index,
-        st: SamplingTensors,
-    ):
-        """Forward + sample; returns the new K/V (written by ``write_kv``), tokens, top-2 gaps."""
-        self.num_compilations += 1  # runs only while tracing
-        cache = PagedKVCache(k_pool, v_pool, block_tables, backend=self.backend)
-        hidden, cache = forward(params, self.cfg, tokens, positions, cache)
-        rows = jnp.arange(tokens.shape[0])
-        logits = compute_logits(params, self.cfg, hidden[rows, logits_index])  # [R, V]
-        top2 = jax.lax.top_k(logits, 2)[0]
-        return cache.new_k, cache.new_v, sample(logits, st), top2[:, 0] - top2[:, 1]
+    @property
+    def num_compilations(self) -> int:
+        """Distinct step shapes this executor ran: each compiled once (bounded by the buckets)."""
+        return len(self.step_shapes)
 
     # ------------------------------------------------------------------ host
 
@@ -125,7 +171,7 @@ class ModelExecutor:
         t0 = time.perf_counter()
         if plan.block_copies:
             src, dst = zip(*plan.block_copies, strict=True)
-            self.k_pool, self.v_pool = self._copy(
+            self.k_pool, self.v_pool = _copy_blocks(
                 self.k_pool, self.v_pool, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)
             )
         tokens: dict[str, int] = {}
@@ -142,41 +188,62 @@ class ModelExecutor:
         tokens_out: dict[str, int],
         gaps_out: dict[str, float],
     ) -> None:
-        n = len(group)
-        r = bucket(n, 1, self.max_num_seqs)
+        n_rows = len(group)
+        n_tokens = sum(item.num_new_tokens for item in group)
+        r = bucket(n_rows, 1, self.max_num_seqs)
+        n = r if is_decode else bucket(n_tokens, 16, max(16, self.max_num_batched_tokens))
         longest = max(item.num_new_tokens for item in group)
-        t = 1 if is_decode else bucket(longest, 16, max(16, self.max_num_batched_tokens))
+        t = 1 if is_decode else bucket(longest, 16, n)
         # At least 128 tokens of context per row: fewer shapes to compile for short sequences.
         m_min = -(-128 // self.block_size)
         m = bucket(max(len(item.seq.block_ids) for item in group), m_min, self.max_blocks_per_seq)
         pad_slot = self.num_blocks * self.block_size  # out of range: the scatter drops it
 
-        tokens = np.zeros((r, t), np.int32)
-        positions = np.full((r, t), -1, np.int32)
-        slots = np.full((r, t), pad_slot, np.int32)
+        tokens = np.zeros(n, np.int32)
+        positions = np.full(n, -1, np.int32)
+        slots = np.full(n, pad_slot, np.int32)
+        token_row = np.full(n, r, np.int32)
+        token_col = np.zeros(n, np.int32)
+        row_positions = np.full((r, t), -1, np.int32)
         block_tables = np.zeros((r, m), np.int32)
-        logits_index = np.zeros((r,), np.int32)
+        logits_index = np.zeros(r, np.int32)
         params, seeds, steps = [], [], []
+        offset = 0
         for i, item in enumerate(group):
             seq, start, k = item.seq, item.start, item.num_new_tokens
             table = np.asarray(seq.block_ids, np.int32)
             pos = np.arange(start, start + k, dtype=np.int32)
-            tokens[i, :k] = seq.token_ids[start : start + k]
-            positions[i, :k] = pos
-            slots[i, :k] = table[pos // self.block_size] * self.block_size + pos % self.block_size
+            span = slice(offset, offset + k)
+            tokens[span] = seq.token_ids[start : start + k]
+            positions[span] = pos
+            slots[span] = table[pos // self.block_size] * self.block_size + pos % self.block_size
+            token_row[span] = i
+            token_col[span] = np.arange(k)
+            row_positions[i, :k] = pos
             block_tables[i, : len(table)] = table
-            logits_index[i] = k - 1
+            logits_index[i] = offset + k - 1
+            offset += k
             params.append(seq.sampling_params)
             seeds.append(seq.seed)
             steps.append(len(seq.output_token_ids))
-        pad = r - n
-        st = SamplingTensors.from_params(
-            params + [_PAD_PARAMS] * pad, seeds + [0] * pad, steps + [0] * pad
+        pad = r - n_rows
+        batch = StepBatch(
+            tokens,
+            positions,
+            token_row,
+            token_col,
+            row_positions,
+            block_tables,
+            logits_index,
+            SamplingTensors.from_params(
+                params + [_PAD_PARAMS] * pad, seeds + [0] * pad, steps + [0] * pad
+            ),
         )
-        new_k, new_v, sampled, gaps = self._step(
-            self.params, self.k_pool, self.v_pool, tokens, positions, block_tables, logits_index, st
+        self.step_shapes.add((n, r, t, m))
+        new_k, new_v, sampled, gaps = model_step(
+            self.params, self.k_pool, self.v_pool, batch, cfg=self.cfg, backend=self.backend
         )
-        self.k_pool, self.v_pool = self._write(self.k_pool, self.v_pool, new_k, new_v, slots)
+        self.k_pool, self.v_pool = _write_kv(self.k_pool, self.v_pool, new_k, new_v, slots)
         sampled, gaps = np.asarray(sampled), np.asarray(gaps)
         for i, item in enumerate(group):
             tokens_out[item.seq.request_id] = int(sampled[i])
@@ -185,6 +252,6 @@ class ModelExecutor:
     def poison_blocks(self, block_ids: list[int], value: float = float("nan")) -> None:
         """Fill blocks with ``value`` (isolation tests: freed memory must never be read)."""
         if block_ids:
-            self.k_pool, self.v_pool = self._fill(
+            self.k_pool, self.v_pool = _fill_blocks(
                 self.k_pool, self.v_pool, jnp.asarray(block_ids, jnp.int32), value
             )

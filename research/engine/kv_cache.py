@@ -1,12 +1,13 @@
 """The paged KV pool on device and attention that reads it through block tables.
 
-Per layer, K and V pages are laid out [K, N, P, E] (kv heads, blocks in the pool, tokens per
+Per layer, K and V pages are laid out [K, B, P, E] (kv heads, blocks in the pool, tokens per
 block, head_dim), the layout of JAX's Pallas paged-attention kernel. A token's slot is
 ``block_id * P + offset``; its K/V are scattered there, then each sequence's context is gathered
 through its block table.
 
-Axis legend: R = rows (sequences in the call), T = tokens per row, M = blocks per row's table,
-K = kv heads, N = blocks in the pool, P = tokens per block, E = head_dim, H = query heads.
+Axis legend: N = packed tokens in the call, R = rows (sequences in the call), T = tokens per
+row, M = blocks per row's table, K = kv heads, B = blocks in the pool, P = tokens per block,
+E = head_dim, H = query heads.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ ATTENTION_BACKENDS = ("xla",)
 def init_kv_pool(
     cfg: ModelConfig, num_blocks: int, block_size: int, dtype: Any, fill: float = 0.0
 ) -> tuple[list[jax.Array], list[jax.Array]]:
-    """K and V pages per layer, [K, N, P, E] each, filled with ``fill`` (NaN in isolation tests)."""
+    """K and V pages per layer, [K, B, P, E] each, filled with ``fill`` (NaN in isolation tests)."""
     shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
     k = [jnp.full(shape, fill, dtype) for _ in range(cfg.num_layers)]
     v = [jnp.full(shape, fill, dtype) for _ in range(cfg.num_layers)]
@@ -43,16 +44,24 @@ def kv_pool_bytes_per_block(cfg: ModelConfig, block_size: int, itemsize: int) ->
 class PagedKVCache:
     """The pool (read-only here) plus this call's metadata; passed through ``forward``.
 
-    Attention reads the pages as they were before the call plus the call's own new K/V, which
-    are collected in ``new_k``/``new_v`` and scattered into the donated pool by ``write_kv`` in
-    a separate jitted call. Reading and updating the pool in one XLA computation made XLA:CPU
-    copy the whole pool every layer (measured: 1.2 vs 13 tok/s with a 1 GiB pool).
+    The model runs on packed tokens: ``forward`` sees one row of N tokens from several
+    sequences (no padding between them, so projections and MLPs cost what the real tokens
+    cost). Attention unpacks them into [R, T] (one row per sequence, T = its longest chunk),
+    reads each row's cached context through its block table plus the call's own new K/V, and
+    packs the result back.
+
+    The new K/V are collected in ``new_k``/``new_v`` and scattered into the donated pool by
+    ``write_kv`` in a separate jitted call: reading and updating the pool in one XLA
+    computation made XLA:CPU copy the whole pool every layer (1.2 vs 13 tok/s, 1 GiB pool).
     """
 
-    k: list[jax.Array]  # per layer [K, N, P, E]
+    k: list[jax.Array]  # per layer [K, B, P, E]
     v: list[jax.Array]
     block_tables: jax.Array  # [R, M] int32
-    new_k: list[jax.Array] = field(default_factory=list)  # per layer [R, T, K, E]
+    token_row: jax.Array  # [N] int32: row of each packed token (R for padding)
+    token_col: jax.Array  # [N] int32: its index within the row's chunk
+    row_positions: jax.Array  # [R, T] int32: positions of each row's chunk, -1 = padding
+    new_k: list[jax.Array] = field(default_factory=list)  # per layer [N, K, E]
     new_v: list[jax.Array] = field(default_factory=list)
     backend: str = field(default="xla", metadata=dict(static=True))
 
@@ -65,14 +74,28 @@ class PagedKVCache:
         positions: jax.Array,
         scale: float,
     ) -> tuple[jax.Array, PagedKVCache]:
-        """q [R, T, H, E], k_new/v_new [R, T, K, E], positions [R, T] (-1 = padding)."""
+        """q [1, N, H, E], k_new/v_new [1, N, K, E] packed; positions [1, N] (-1 = padding)."""
         if self.backend != "xla":
             raise ValueError(f"attention_backend {self.backend!r}; available: {ATTENTION_BACKENDS}")
+        r, t = self.row_positions.shape
+
+        def unpack(x: jax.Array) -> jax.Array:  # [N, heads, E] -> [R, T, heads, E]
+            grid = jnp.zeros((r, t, *x.shape[1:]), x.dtype)
+            return grid.at[self.token_row, self.token_col].set(x, mode="drop")
+
         out = _gather_attention(
-            q, k_new, v_new, self.k[layer], self.v[layer], self.block_tables, positions, scale
+            unpack(q[0]),
+            unpack(k_new[0]),
+            unpack(v_new[0]),
+            self.k[layer],
+            self.v[layer],
+            self.block_tables,
+            self.row_positions,
+            scale,
         )
-        return out, dataclasses.replace(
-            self, new_k=[*self.new_k, k_new], new_v=[*self.new_v, v_new]
+        out = out.at[self.token_row, self.token_col].get(mode="fill", fill_value=0)  # [N, H, E]
+        return out[None], dataclasses.replace(
+            self, new_k=[*self.new_k, k_new[0]], new_v=[*self.new_v, v_new[0]]
         )
 
 
@@ -83,7 +106,7 @@ def write_kv(
     new_v: list[jax.Array],
     slot_mapping: jax.Array,
 ) -> tuple[list[jax.Array], list[jax.Array]]:
-    """Scatter new K/V [R, T, K, E] per layer into pages [K, N, P, E] at flat slots [R, T]
+    """Scatter new K/V [N, K, E] per layer into pages [K, B, P, E] at flat slots [N]
     (block * P + offset); slots out of range (padding) are dropped. Jit with k, v donated."""
 
     def write(pages: jax.Array, new: jax.Array) -> jax.Array:

@@ -83,6 +83,9 @@ class RequestOutput:
     finish_reason: str | None  # "stop" (EOS, stop token or string) | "length" | None (running)
     metrics: RequestMetrics
     stop_reason: int | str | None = None
+    # Gap between the two largest logits at each sampled position: near-ties show up here.
+    top2_logit_gaps: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
 
     @property
     def finished(self) -> bool:
