@@ -8,6 +8,8 @@ models small enough for every unit test.
 
 from __future__ import annotations
 
+import dataclasses
+
 from research.config import ModelConfig, RopeScaling
 
 PRESETS: dict[str, ModelConfig] = {
@@ -48,27 +50,6 @@ PRESETS: dict[str, ModelConfig] = {
             rope_theta=1e6,
             rms_norm_eps=1e-6,
             max_position_embeddings=40960,
-            bos_token_id=151643,
-            eos_token_ids=(151645, 151643),
-        ),
-        ModelConfig(
-            name="qwen3-coder-30b-a3b",
-            architecture="qwen3_moe",
-            vocab_size=151936,
-            hidden_size=2048,
-            num_layers=48,
-            num_heads=32,
-            num_kv_heads=4,
-            head_dim=128,
-            intermediate_size=6144,
-            num_experts=128,
-            num_experts_per_tok=8,
-            moe_intermediate_size=768,
-            norm_topk_prob=True,
-            qk_norm=True,
-            rope_theta=1e7,
-            rms_norm_eps=1e-6,
-            max_position_embeddings=262144,
             bos_token_id=151643,
             eos_token_ids=(151645, 151643),
         ),
@@ -160,6 +141,15 @@ PRESETS: dict[str, ModelConfig] = {
         ),
     ]
 }
+
+
+# The Coder variant shares every shape with Qwen3-30B-A3B; only RoPE base and context differ.
+PRESETS["qwen3-coder-30b-a3b"] = dataclasses.replace(
+    PRESETS["qwen3-30b-a3b"],
+    name="qwen3-coder-30b-a3b",
+    rope_theta=1e7,
+    max_position_embeddings=262144,
+)
 
 
 def get_preset(name: str) -> ModelConfig:
