@@ -138,7 +138,9 @@ class Engine:
             prompt_token_ids=list(ids),
             sampling_params=sp,
             seed=seed & 0xFFFFFFFF,
-            metrics=RequestMetrics(arrival_time=arrival_time or time.perf_counter()),
+            metrics=RequestMetrics(
+                arrival_time=time.perf_counter() if arrival_time is None else arrival_time
+            ),
             prompt=prompt,
         )
         self.requests[request_id] = seq
