@@ -154,8 +154,13 @@ def test_isolation_nan_pool_matches_clean_run(smollm2_llm, stream):
         for m in rng.randint(4, 30, 12)
     ]
     clean = smollm2_llm.engine.generate(prompts, sps)
+    # The pool of the memory-pressure test (8 blocks, 16 seqs): its compiled shapes are reused.
     poisoned_engine = _engine(
-        smollm2_llm, max_num_seqs=4, poison_freed_blocks=True, enable_prefix_caching=False
+        smollm2_llm,
+        num_kv_blocks=8,
+        max_num_seqs=16,
+        poison_freed_blocks=True,
+        enable_prefix_caching=False,
     )
     poisoned = poisoned_engine.generate(prompts, sps)
     ties = _count_ties(clean, poisoned)
