@@ -13,6 +13,7 @@ import zlib
 from collections.abc import Sequence as Seq
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from research.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -20,7 +21,7 @@ from research.engine.block_manager import BlockManager
 from research.engine.executor import ModelExecutor, StepResult, num_blocks_for
 from research.engine.request import RequestMetrics, RequestOutput, SamplingParams
 from research.engine.scheduler import Scheduler, StepPlan
-from research.engine.sequence import Sequence, SequenceStatus
+from research.engine.sequence import Sequence
 from research.models.transformer import Params
 from research.tokenizer import Tokenizer
 
@@ -40,8 +41,6 @@ class Engine:
         seed: int = 0,
         poison_freed_blocks: bool = False,
     ):
-        import jax.numpy as jnp
-
         self.model_config = cfg
         self.tokenizer = tokenizer
         self.cache_config = cache_config or CacheConfig()
@@ -247,7 +246,6 @@ class Engine:
         self.requests.pop(seq.request_id, None)
         self.scheduler.finish(seq)
         seq.metrics.finished_time = time.perf_counter()
-        seq.status = SequenceStatus.FINISHED
 
     def _output(self, seq: Sequence) -> RequestOutput:
         text = seq.output_text

@@ -107,7 +107,6 @@ def config_from_gguf(reader: Any, name: str | None = None) -> ModelConfig:
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     bos = _gguf_field(reader, "tokenizer.ggml.bos_token_id")
-    scaling = None
     if f("rope.scaling.type") == "llama3" or any(
         t.name == "rope_freqs.weight" for t in reader.tensors
     ):
@@ -127,7 +126,7 @@ def config_from_gguf(reader: Any, name: str | None = None) -> ModelConfig:
         moe_intermediate_size=int(f("expert_feed_forward_length", 0)),
         qk_norm=ours in ("qwen3", "qwen3_moe"),
         rope_theta=float(f("rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
+        rope_scaling=None,
         rms_norm_eps=float(f("attention.layer_norm_rms_epsilon", 1e-6)),
         tie_word_embeddings=not has_output,
         max_position_embeddings=int(f("context_length", 4096)),
