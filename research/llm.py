@@ -16,6 +16,7 @@ from research.config import CacheConfig, SchedulerConfig
 from research.engine.engine import Engine
 from research.engine.request import RequestOutput, SamplingParams
 from research.models.load import load_model
+from research.quant import QUANTIZATIONS, quantize_params
 
 PromptType = str | Sequence[int] | dict[str, Any]
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -49,6 +50,8 @@ class LLM:
         kv_cache_memory_bytes: int = 1 << 30,
         enable_prefix_caching: bool = True,
         attention_backend: str = "xla",
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
         poison_freed_blocks: bool = False,
     ):
         if dtype not in _DTYPES:
@@ -66,7 +69,11 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
         )
         self.dtype = _DTYPES[dtype]
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+        self.quantization = quantization
         self.model_config, self.params, self.tokenizer = load_model(model, self.dtype, seed)
+        self.params = quantize_params(self.params, quantization)
         cfg = self.model_config
         self.max_model_len = cfg.max_position_embeddings if max_model_len is None else max_model_len
         if not 1 < self.max_model_len <= cfg.max_position_embeddings:

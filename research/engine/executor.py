@@ -83,7 +83,7 @@ def model_step(
         batch.row_positions,
         backend=backend,
     )
-    hidden, cache = forward(params, cfg, batch.tokens[None], batch.positions[None], cache)
+    hidden, cache = forward(params, cfg, batch.tokens[None], batch.positions[None], cache, backend)
     logits = compute_logits(params, cfg, hidden[0, batch.logits_index])  # [R, V]
     return cache.new_k, cache.new_v, sample(logits, batch.sampling), top2_gap(logits)
 

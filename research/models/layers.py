@@ -16,6 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from research.config import ModelConfig, RopeScaling
+from research.quant import QTensor, dequantize
+
+# Where kernels run: "xla" = pure jnp reference, "pallas" = Triton-backend Pallas kernels on GPU,
+# "pallas_interpret" = the same kernels interpreted on CPU (for tests).
+KERNEL_BACKENDS = ("xla", "pallas", "pallas_interpret")
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -65,9 +70,28 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array | QTensor, backend: str = "xla") -> jax.Array:
+    """x [..., I] @ w [I, O]. A quantized weight is dequantized by XLA inside the step
+    (``"xla"``) or tile by tile inside the Pallas quantized-matmul kernel (``"pallas*"``)."""
+    if not isinstance(w, QTensor):
+        return x @ w
+    if backend == "xla":
+        return x @ dequantize(w).astype(x.dtype)
+    from pallas_kernels.grouped_experts import quantized_matmul
+
+    return quantized_matmul(x, w, interpret=backend == "pallas_interpret")
+
+
+def swiglu(
+    x: jax.Array,
+    w_gate: jax.Array | QTensor,
+    w_up: jax.Array | QTensor,
+    w_down: jax.Array | QTensor,
+    backend: str = "xla",
+) -> jax.Array:
     """SwiGLU MLP: x [..., D] -> [..., D] with w_gate, w_up [D, F] and w_down [F, D]."""
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+    gate, up = linear(x, w_gate, backend), linear(x, w_up, backend)
+    return linear(jax.nn.silu(gate) * up, w_down, backend)
 
 
 def grouped_query_attention(

@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from research.quant import QTensor, dequantize
+
 
 def route(
     x: jax.Array, w_router: jax.Array, top_k: int, norm_topk_prob: bool
@@ -26,9 +28,20 @@ def route(
     return weights, experts.astype(jnp.int32)
 
 
-def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """lhs [R, Din] sorted by group, rhs [E, Din, Dout], group_sizes [E] -> [R, Dout]."""
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype)
+def grouped_matmul(
+    lhs: jax.Array, rhs: jax.Array | QTensor, group_sizes: jax.Array, backend: str = "xla"
+) -> jax.Array:
+    """lhs [R, Din] sorted by group, rhs [E, Din, Dout], group_sizes [E] -> [R, Dout].
+
+    ``"xla"``: ``ragged_dot`` (on the dequantized experts when rhs is a QTensor); ``"pallas*"``:
+    the Pallas grouped-experts kernel, which dequantizes 4/8-bit experts tile by tile."""
+    if backend == "xla":
+        if isinstance(rhs, QTensor):
+            rhs = dequantize(rhs).astype(lhs.dtype)
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype)
+    from pallas_kernels.grouped_experts import grouped_experts
+
+    return grouped_experts(lhs, rhs, group_sizes, interpret=backend == "pallas_interpret")
 
 
 def moe_mlp(
@@ -40,9 +53,9 @@ def moe_mlp(
     *,
     top_k: int,
     norm_topk_prob: bool,
+    backend: str = "xla",
 ) -> jax.Array:
     """x [N, D] -> [N, D]. Expert weights: w_gate, w_up [E, D, F]; w_down [E, F, D]."""
-    _n, _ = x.shape
     num_experts = w_gate.shape[0]
     weights, experts = route(x, w_router, top_k, norm_topk_prob)  # [N, A]
 
@@ -52,9 +65,9 @@ def moe_mlp(
     group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)  # [E]
 
     xs = x[token_of_row]  # [R, D]
-    h = jax.nn.silu(grouped_matmul(xs, w_gate, group_sizes)) * grouped_matmul(
-        xs, w_up, group_sizes
+    h = jax.nn.silu(grouped_matmul(xs, w_gate, group_sizes, backend)) * grouped_matmul(
+        xs, w_up, group_sizes, backend
     )  # [R, F]
-    ys = grouped_matmul(h, w_down, group_sizes)  # [R, D]
+    ys = grouped_matmul(h, w_down, group_sizes, backend)  # [R, D]
     row_weight = weights.reshape(-1)[order].astype(ys.dtype)  # [R]
     return jnp.zeros_like(x).at[token_of_row].add(ys * row_weight[:, None])

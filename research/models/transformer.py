@@ -38,6 +38,7 @@ from research.config import ModelConfig
 from research.models.layers import (
     apply_rope,
     grouped_query_attention,
+    linear,
     rms_norm,
     rope_cos_sin,
     swiglu,
@@ -165,22 +166,23 @@ def _layer(
     cos: jax.Array,
     sin: jax.Array,
     cache: Any,
+    backend: str,
 ) -> tuple[jax.Array, Any]:
     """One pre-norm decoder layer on x [B, T, D]."""
     b, t, d = x.shape
     e, h, kvh = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
 
     hidden = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q = (hidden @ lp["wq"]).reshape(b, t, h, e)
-    k = (hidden @ lp["wk"]).reshape(b, t, kvh, e)
-    v = (hidden @ lp["wv"]).reshape(b, t, kvh, e)
+    q = linear(hidden, lp["wq"], backend).reshape(b, t, h, e)
+    k = linear(hidden, lp["wk"], backend).reshape(b, t, kvh, e)
+    v = linear(hidden, lp["wv"], backend).reshape(b, t, kvh, e)
     if cfg.qk_norm:  # Qwen3: RMSNorm over each head's vector, before RoPE
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
     attn, cache = cache.update_and_attend(layer, q, k, v, positions, e**-0.5)
-    x = x + attn.reshape(b, t, h * e) @ lp["wo"]
+    x = x + linear(attn.reshape(b, t, h * e), lp["wo"], backend)
 
     hidden = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     if cfg.is_moe:
@@ -192,9 +194,10 @@ def _layer(
             lp["w_down"],
             top_k=cfg.num_experts_per_tok,
             norm_topk_prob=cfg.norm_topk_prob,
+            backend=backend,
         ).reshape(b, t, d)
     else:
-        mlp = swiglu(hidden, lp["w_gate"], lp["w_up"], lp["w_down"])
+        mlp = swiglu(hidden, lp["w_gate"], lp["w_up"], lp["w_down"], backend)
     return x + mlp, cache
 
 
@@ -204,10 +207,12 @@ def forward(
     tokens: jax.Array,
     positions: jax.Array,
     cache: Any,
+    backend: str = "xla",
 ) -> tuple[jax.Array, Any]:
     """Run the decoder on tokens [B, T] at positions [B, T] (-1 = padding).
 
-    Returns the final-normed hidden states [B, T, D] and the updated cache. ``cfg`` is static.
+    Returns the final-normed hidden states [B, T, D] and the updated cache. ``cfg`` and
+    ``backend`` (where quantized matmuls run, see ``layers.KERNEL_BACKENDS``) are static.
     """
     if not cfg.runnable:
         raise ValueError(
@@ -218,7 +223,7 @@ def forward(
     cos, sin = rope_cos_sin(jnp.maximum(positions, 0), cfg)  # [B, T, E]
 
     for layer, lp in enumerate(params["layers"]):
-        x, cache = _layer(cfg, lp, x, layer, positions, cos, sin, cache)
+        x, cache = _layer(cfg, lp, x, layer, positions, cos, sin, cache, backend)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache
 
 

@@ -15,12 +15,14 @@ from research.quant.formats import (
     pack_nibbles,
     unpack_nibbles,
 )
+from research.quant.params import QUANTIZATIONS, quantize_params, weight_bytes
 from research.quant.qtensor import FORMATS, GROUP_SIZES, QTensor, dequantize, quantize
 
 __all__ = [
     "AWQ_ORDER",
     "FORMATS",
     "GROUP_SIZES",
+    "QUANTIZATIONS",
     "QTensor",
     "awq_pack",
     "awq_unpack",
@@ -31,5 +33,7 @@ __all__ = [
     "e8m0_encode",
     "pack_nibbles",
     "quantize",
+    "quantize_params",
     "unpack_nibbles",
+    "weight_bytes",
 ]

@@ -4,7 +4,7 @@ A weight is laid out [I, O] (the model computes x @ W), optionally with stacked 
 [X, I, O]; each expert is quantized on its own. Groups (blocks) of ``group_size`` consecutive input
 channels share a scale, separately for every output column, in every format:
 
-- ``awq``: int4 W4A16. Per (group of 128, column) an fp16 scale s and an int4 zero point z,
+- ``awq``: int4 W4A16. Per (group of 128 by default, column) an fp16 scale s and an int4 zero point z,
   asymmetric min-max: s = (max - min) / 15, z = round(-min / s), q = clamp(round(w / s) + z, 0, 15),
   w ≈ (q - z) * s, with [min, max] widened to include 0 and s rounded to fp16 (>= 2^-14) before
   q and z are computed. q and z are packed 8 per int32 along O in AutoAWQ's GEMM order.
@@ -32,6 +32,7 @@ G = groups along I, S = group size.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import jax
@@ -107,9 +108,9 @@ def _expand(per_group: jax.Array, group: int) -> jax.Array:
     return jnp.repeat(per_group, group, axis=-2)
 
 
-@jax.jit
-def _quantize_awq(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    g = _groups(w, GROUP_SIZES["awq"])  # [..., G, S, O]
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize_awq(w: jax.Array, group: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    g = _groups(w, group)  # [..., G, S, O]
     # The range is widened to include 0 (as GPTQ does) so z lands in [0, 15] and every weight lies
     # in the representable range; groups that straddle 0 (practically all) are unaffected.
     w_min = jnp.minimum(jnp.min(g, axis=-2), 0.0)  # [..., G, O]
@@ -162,10 +163,18 @@ def _quantize_fp8(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     return y.astype(jnp.float8_e4m3fn), scales
 
 
-def quantize(w: jax.Array, fmt: str) -> QTensor:
-    """Quantize a weight [I, O] (or stacked experts [X, I, O]) to ``fmt``; see the module doc."""
+def quantize(w: jax.Array, fmt: str, group_size: int | None = None) -> QTensor:
+    """Quantize a weight [I, O] (or stacked experts [X, I, O]) to ``fmt``; see the module doc.
+
+    ``group_size`` may be set for ``awq`` only (AutoAWQ's ``q_group_size``: 128 by default, 64
+    and 32 are common); the microscaling formats fix theirs and fp8 scales whole columns.
+    """
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantization format {fmt!r}; expected one of {FORMATS}")
+    if group_size is not None and fmt != "awq":
+        raise ValueError(f"{fmt} has a fixed group size; only awq takes group_size")
+    if group_size is not None and (group_size < 8 or group_size & (group_size - 1)):
+        raise ValueError(f"awq group_size must be a power of two >= 8, got {group_size}")
     w = jnp.asarray(w)
     if w.ndim not in (2, 3):
         raise ValueError(
@@ -175,7 +184,7 @@ def quantize(w: jax.Array, fmt: str) -> QTensor:
     if not jnp.issubdtype(w.dtype, jnp.floating):
         raise ValueError(f"{fmt} quantizes floating-point weights; got dtype {w.dtype}")
     d_in, d_out = w.shape[-2:]
-    group = GROUP_SIZES.get(fmt, d_in)
+    group = group_size or GROUP_SIZES.get(fmt, d_in)
     if d_in == 0 or d_in % group:
         raise ValueError(
             f"{fmt} groups {group} input channels per scale; the input dim (axis {w.ndim - 2} of "
@@ -189,7 +198,7 @@ def quantize(w: jax.Array, fmt: str) -> QTensor:
     meta = dict(fmt=fmt, shape=tuple(w.shape), group_size=group, dtype=str(w.dtype))
     w32 = w.astype(jnp.float32)
     if fmt == "awq":
-        codes, scales, zeros = _quantize_awq(w32)
+        codes, scales, zeros = _quantize_awq(w32, group)
         return QTensor(codes, scales, zeros=zeros, **meta)
     if fmt == "nvfp4":
         codes, scales, tensor_scale = _quantize_nvfp4(w32)

@@ -1,0 +1,54 @@
+"""Quantize a model's parameter pytree at load time (``LLM(quantization=...)``).
+
+Every linear weight of every layer is replaced by a ``QTensor``: attention q/k/v/o, the dense
+MLP's gate/up/down and the stacked experts' gate/up/down of MoE layers. The token embedding, the
+lm_head, the norms and the MoE router stay in the model dtype, as in vLLM's AWQ, FP8 and
+NVFP4/MXFP4 checkpoints (the router is tiny and routing is sensitive to it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from research.quant.qtensor import FORMATS, GROUP_SIZES, QTensor, quantize
+
+QUANTIZED_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+QUANTIZATIONS = (None, *FORMATS)
+# AWQ groups 128 input channels; a layer whose input width 128 does not divide (SmolLM2's hidden
+# size is 576) uses the largest of these that does, as AutoAWQ users do with q_group_size.
+AWQ_FALLBACK_GROUPS = (64, 32)
+
+
+def awq_group_size(d_in: int) -> int:
+    for group in (GROUP_SIZES["awq"], *AWQ_FALLBACK_GROUPS):
+        if d_in % group == 0:
+            return group
+    raise ValueError(
+        f"awq: input width {d_in} is not a multiple of any supported group size "
+        f"{(GROUP_SIZES['awq'], *AWQ_FALLBACK_GROUPS)}"
+    )
+
+
+def quantize_params(params: dict[str, Any], fmt: str | None) -> dict[str, Any]:
+    """A copy of ``params`` with every layer's linear weights quantized to ``fmt``."""
+    if fmt is None:
+        return params
+    if fmt not in FORMATS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {fmt!r}")
+
+    def convert(w: jax.Array) -> QTensor:
+        group = awq_group_size(w.shape[-2]) if fmt == "awq" else None
+        return quantize(w, fmt, group_size=group)
+
+    layers = [
+        {key: convert(w) if key in QUANTIZED_KEYS else w for key, w in layer.items()}
+        for layer in params["layers"]
+    ]
+    return {**params, "layers": layers}
+
+
+def weight_bytes(params: dict[str, Any]) -> int:
+    """Bytes of every parameter as stored (packed codes, scales and zero points included)."""
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(params))
