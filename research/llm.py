@@ -17,6 +17,7 @@ from research.engine.engine import Engine
 from research.engine.request import RequestOutput, SamplingParams
 from research.models.load import load_model
 from research.quant import QUANTIZATIONS, quantize_params
+from research.quant.kv import KV_DTYPES
 
 PromptType = str | Sequence[int] | dict[str, Any]
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -72,6 +73,9 @@ class LLM:
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         self.quantization = quantization
+        if kv_cache_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_DTYPES}, got {kv_cache_dtype!r}")
+        self.kv_cache_dtype = kv_cache_dtype
         self.model_config, self.params, self.tokenizer = load_model(model, self.dtype, seed)
         self.params = quantize_params(self.params, quantization)
         cfg = self.model_config
@@ -95,6 +99,7 @@ class LLM:
             max_model_len=self.max_model_len,
             dtype=self.dtype,
             attention_backend=attention_backend,
+            kv_cache_dtype=kv_cache_dtype,
             seed=seed,
             poison_freed_blocks=poison_freed_blocks,
         )

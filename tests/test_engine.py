@@ -160,7 +160,7 @@ def test_fork_copy_on_write_reaches_the_device(model):
     from research.engine.scheduler import StepPlan
 
     engine.executor.execute(StepPlan(block_copies=bm.take_pending_copies()))
-    k = engine.executor.k_pool[0]
+    k = engine.executor.pool.k[0]
     np.testing.assert_array_equal(np.asarray(k[:, dst, :2]), np.asarray(k[:, src, :2]))
     bm.free(child)
     engine.abort(rid)

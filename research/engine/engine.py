@@ -38,6 +38,7 @@ class Engine:
         max_model_len: int | None = None,
         dtype: Any = None,
         attention_backend: str = "xla",
+        kv_cache_dtype: str = "auto",
         seed: int = 0,
         poison_freed_blocks: bool = False,
     ):
@@ -49,7 +50,7 @@ class Engine:
         self.seed = seed
         dtype = dtype or jnp.float32
         num_blocks = num_blocks_for(
-            cfg, self.cache_config, self.scheduler_config, self.max_model_len, dtype
+            cfg, self.cache_config, self.scheduler_config, self.max_model_len, dtype, kv_cache_dtype
         )
         self.block_manager = BlockManager(
             num_blocks, self.cache_config.block_size, self.cache_config.enable_prefix_caching
@@ -68,6 +69,7 @@ class Engine:
             max_model_len=self.max_model_len,
             dtype=dtype,
             attention_backend=attention_backend,
+            kv_cache_dtype=kv_cache_dtype,
             kv_fill_value=float("nan") if poison_freed_blocks else 0.0,
         )
         self.requests: dict[str, Sequence] = {}

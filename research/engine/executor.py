@@ -28,6 +28,7 @@ import numpy as np
 from research.config import CacheConfig, ModelConfig, SchedulerConfig
 from research.engine.kv_cache import (
     ATTENTION_BACKENDS,
+    KVPool,
     PagedKVCache,
     copy_blocks,
     fill_blocks,
@@ -64,8 +65,7 @@ class StepBatch:
 @functools.partial(jax.jit, static_argnames=("cfg", "backend"))
 def model_step(
     params: Params,
-    k_pool: list[jax.Array],
-    v_pool: list[jax.Array],
+    pool: KVPool,
     batch: StepBatch,
     *,
     cfg: ModelConfig,
@@ -75,8 +75,7 @@ def model_step(
     token per row [R] and the gap between each row's two largest logits [R]."""
     STEP_TRACES[0] += 1  # runs only while tracing
     cache = PagedKVCache(
-        k_pool,
-        v_pool,
+        pool,
         batch.block_tables,
         batch.token_row,
         batch.token_col,
@@ -97,9 +96,9 @@ def top2_gap(logits: jax.Array) -> jax.Array:
     return first - jnp.max(masked, axis=-1)
 
 
-_write_kv = jax.jit(write_kv, donate_argnums=(0, 1))
-_copy_blocks = jax.jit(copy_blocks, donate_argnums=(0, 1))
-_fill_blocks = jax.jit(fill_blocks, donate_argnums=(0, 1), static_argnums=(3,))
+_write_kv = jax.jit(write_kv, donate_argnums=0)
+_copy_blocks = jax.jit(copy_blocks, donate_argnums=0)
+_fill_blocks = jax.jit(fill_blocks, donate_argnums=0, static_argnums=2)
 
 
 def bucket(n: int, minimum: int, maximum: int) -> int:
@@ -117,13 +116,18 @@ class StepResult:
 
 
 def num_blocks_for(
-    cfg: ModelConfig, cache: CacheConfig, sched: SchedulerConfig, max_model_len: int, dtype: Any
+    cfg: ModelConfig,
+    cache: CacheConfig,
+    sched: SchedulerConfig,
+    max_model_len: int,
+    dtype: Any,
+    kv_cache_dtype: str = "auto",
 ) -> int:
     """Pool size: as given, else what fits in ``kv_cache_memory_bytes`` (never more than
     max_num_seqs full-length sequences need)."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
-    per_block = kv_pool_bytes_per_block(cfg, cache.block_size, jnp.dtype(dtype).itemsize)
+    per_block = kv_pool_bytes_per_block(cfg, cache.block_size, dtype, kv_cache_dtype)
     fit = cache.kv_cache_memory_bytes // per_block
     want = sched.max_num_seqs * -(-max_model_len // cache.block_size)
     return int(max(1, min(fit, want)))
@@ -141,6 +145,7 @@ class ModelExecutor:
         max_model_len: int,
         dtype: Any = jnp.float32,
         attention_backend: str = "xla",
+        kv_cache_dtype: str = "auto",
         kv_fill_value: float = 0.0,
     ):
         if attention_backend not in ATTENTION_BACKENDS:
@@ -155,8 +160,8 @@ class ModelExecutor:
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.max_blocks_per_seq = -(-max_model_len // cache.block_size)
         self.backend = attention_backend
-        self.k_pool, self.v_pool = init_kv_pool(
-            cfg, num_blocks, cache.block_size, dtype, kv_fill_value
+        self.pool = init_kv_pool(
+            cfg, num_blocks, cache.block_size, dtype, kv_fill_value, kv_cache_dtype
         )
         self.step_shapes: set[tuple[int, ...]] = set()  # (N, R, T, M) of every call run
 
@@ -171,8 +176,8 @@ class ModelExecutor:
         t0 = time.perf_counter()
         if plan.block_copies:
             src, dst = zip(*plan.block_copies, strict=True)
-            self.k_pool, self.v_pool = _copy_blocks(
-                self.k_pool, self.v_pool, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)
+            self.pool = _copy_blocks(
+                self.pool, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)
             )
         tokens: dict[str, int] = {}
         gaps: dict[str, float] = {}
@@ -241,9 +246,9 @@ class ModelExecutor:
         )
         self.step_shapes.add((n, r, t, m))
         new_k, new_v, sampled, gaps = model_step(
-            self.params, self.k_pool, self.v_pool, batch, cfg=self.cfg, backend=self.backend
+            self.params, self.pool, batch, cfg=self.cfg, backend=self.backend
         )
-        self.k_pool, self.v_pool = _write_kv(self.k_pool, self.v_pool, new_k, new_v, slots)
+        self.pool = _write_kv(self.pool, new_k, new_v, slots)
         sampled, gaps = np.asarray(sampled), np.asarray(gaps)
         for i, item in enumerate(group):
             tokens_out[item.seq.request_id] = int(sampled[i])
@@ -252,6 +257,4 @@ class ModelExecutor:
     def poison_blocks(self, block_ids: list[int], value: float = float("nan")) -> None:
         """Fill blocks with ``value`` (isolation tests: freed memory must never be read)."""
         if block_ids:
-            self.k_pool, self.v_pool = _fill_blocks(
-                self.k_pool, self.v_pool, jnp.asarray(block_ids, jnp.int32), value
-            )
+            self.pool = _fill_blocks(self.pool, jnp.asarray(block_ids, jnp.int32), value)

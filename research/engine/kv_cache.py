@@ -20,23 +20,73 @@ import jax
 import jax.numpy as jnp
 
 from research.config import ModelConfig
-from research.models.layers import grouped_query_attention
+from research.models.layers import KERNEL_BACKENDS, attention_with_lse, grouped_query_attention
+from research.quant.kv import dequantize_kv, kv_code_dtype, kv_code_shape, quantize_kv
 
-ATTENTION_BACKENDS = ("xla",)
+ATTENTION_BACKENDS = KERNEL_BACKENDS
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class KVPool:
+    """The paged K/V pool of every layer: pages [K, B, P, E'] plus, for quantized KV
+    (``kv_cache_dtype`` fp8 or int4, see ``research.quant.kv``), float32 scales [K, B, P], one
+    per token and kv head. E' = E, or E/2 for int4's packed codes; scales lists are empty for
+    ``"auto"`` (pages hold K/V in the model dtype)."""
+
+    k: list[jax.Array]
+    v: list[jax.Array]
+    k_scales: list[jax.Array] = field(default_factory=list)
+    v_scales: list[jax.Array] = field(default_factory=list)
+    kv_dtype: str = field(default="auto", metadata=dict(static=True))
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype != "auto"
+
+    def read(self, layer: int, which: str, block_tables: jax.Array, dtype: Any) -> jax.Array:
+        """Pages of ``block_tables`` [R, M] for one layer, dequantized -> [K, R, M, P, E]."""
+        pages = (self.k if which == "k" else self.v)[layer][:, block_tables]
+        if not self.quantized:
+            return pages
+        scales = (self.k_scales if which == "k" else self.v_scales)[layer][:, block_tables]
+        return dequantize_kv(pages, scales, self.kv_dtype).astype(dtype)
 
 
 def init_kv_pool(
-    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: Any, fill: float = 0.0
-) -> tuple[list[jax.Array], list[jax.Array]]:
-    """K and V pages per layer, [K, B, P, E] each, filled with ``fill`` (NaN in isolation tests)."""
-    shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-    k = [jnp.full(shape, fill, dtype) for _ in range(cfg.num_layers)]
-    v = [jnp.full(shape, fill, dtype) for _ in range(cfg.num_layers)]
-    return k, v
+    cfg: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: Any,
+    fill: float = 0.0,
+    kv_cache_dtype: str = "auto",
+) -> KVPool:
+    """Pages per layer [K, B, P, E'] filled with ``fill`` (NaN in isolation tests: for int4,
+    whose codes have no NaN, the scales carry it)."""
+    shape = (cfg.num_kv_heads, num_blocks, block_size)
+    codes = (*shape, *kv_code_shape(cfg.head_dim, kv_cache_dtype))
+    code_dtype = kv_code_dtype(kv_cache_dtype, dtype)
+    code_fill = 0 if jnp.issubdtype(code_dtype, jnp.integer) else fill
+
+    def pages() -> list[jax.Array]:
+        return [jnp.full(codes, code_fill, code_dtype) for _ in range(cfg.num_layers)]
+
+    def scales() -> list[jax.Array]:
+        if kv_cache_dtype == "auto":
+            return []
+        return [jnp.full(shape, fill, jnp.float32) for _ in range(cfg.num_layers)]
+
+    return KVPool(pages(), pages(), scales(), scales(), kv_dtype=kv_cache_dtype)
 
 
-def kv_pool_bytes_per_block(cfg: ModelConfig, block_size: int, itemsize: int) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * itemsize
+def kv_pool_bytes_per_block(
+    cfg: ModelConfig, block_size: int, dtype: Any, kv_cache_dtype: str = "auto"
+) -> int:
+    """Bytes one block takes across all layers, K and V, codes and scales."""
+    code_bytes = kv_code_shape(cfg.head_dim, kv_cache_dtype)[0]
+    code_bytes *= kv_code_dtype(kv_cache_dtype, dtype).itemsize
+    scale_bytes = 0 if kv_cache_dtype == "auto" else 4
+    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * (code_bytes + scale_bytes)
 
 
 @jax.tree_util.register_dataclass
@@ -53,10 +103,14 @@ class PagedKVCache:
     The new K/V are collected in ``new_k``/``new_v`` and scattered into the donated pool by
     ``write_kv`` in a separate jitted call: reading and updating the pool in one XLA
     computation made XLA:CPU copy the whole pool every layer (1.2 vs 13 tok/s, 1 GiB pool).
+
+    ``backend`` "xla" gathers the pages and runs masked attention in XLA; "pallas" and
+    "pallas_interpret" read the cached context with the Pallas paged-attention kernel (one
+    query per token, the row's cached length as its length) and merge it with attention over
+    the call's new tokens by their log-sum-exps.
     """
 
-    k: list[jax.Array]  # per layer [K, B, P, E]
-    v: list[jax.Array]
+    pool: KVPool
     block_tables: jax.Array  # [R, M] int32
     token_row: jax.Array  # [N] int32: row of each packed token (R for padding)
     token_col: jax.Array  # [N] int32: its index within the row's chunk
@@ -75,7 +129,7 @@ class PagedKVCache:
         scale: float,
     ) -> tuple[jax.Array, PagedKVCache]:
         """q [1, N, H, E], k_new/v_new [1, N, K, E] packed; positions [1, N] (-1 = padding)."""
-        if self.backend != "xla":
+        if self.backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend {self.backend!r}; available: {ATTENTION_BACKENDS}")
         r, t = self.row_positions.shape
 
@@ -83,15 +137,17 @@ class PagedKVCache:
             grid = jnp.zeros((r, t, *x.shape[1:]), x.dtype)
             return grid.at[self.token_row, self.token_col].set(x, mode="drop")
 
-        out = _gather_attention(
+        attend = _gather_attention if self.backend == "xla" else _kernel_attention
+        out = attend(
             unpack(q[0]),
             unpack(k_new[0]),
             unpack(v_new[0]),
-            self.k[layer],
-            self.v[layer],
+            self.pool,
+            layer,
             self.block_tables,
             self.row_positions,
             scale,
+            self.backend,
         )
         out = out.at[self.token_row, self.token_col].get(mode="fill", fill_value=0)  # [N, H, E]
         return out[None], dataclasses.replace(
@@ -100,47 +156,56 @@ class PagedKVCache:
 
 
 def write_kv(
-    k: list[jax.Array],
-    v: list[jax.Array],
-    new_k: list[jax.Array],
-    new_v: list[jax.Array],
-    slot_mapping: jax.Array,
-) -> tuple[list[jax.Array], list[jax.Array]]:
-    """Scatter new K/V [N, K, E] per layer into pages [K, B, P, E] at flat slots [N]
-    (block * P + offset); slots out of range (padding) are dropped. Jit with k, v donated."""
+    pool: KVPool, new_k: list[jax.Array], new_v: list[jax.Array], slot_mapping: jax.Array
+) -> KVPool:
+    """Scatter new K/V [N, K, E] per layer into the pages at flat slots [N] (block * P +
+    offset), quantizing them first for fp8/int4 pools; slots out of range (padding) are
+    dropped. Jit with the pool donated."""
+    slots = slot_mapping.reshape(-1)
 
-    def write(pages: jax.Array, new: jax.Array) -> jax.Array:
-        kvh, n, p, e = pages.shape
-        flat = pages.reshape(kvh, n * p, e)
-        new = new.reshape(-1, kvh, e).transpose(1, 0, 2).astype(pages.dtype)  # [K, R*T, E]
-        return flat.at[:, slot_mapping.reshape(-1)].set(new, mode="drop").reshape(kvh, n, p, e)
+    def write(pages: jax.Array, new: jax.Array) -> jax.Array:  # pages [K, B, P, ...]
+        kvh, n, p = pages.shape[:3]
+        flat = pages.reshape(kvh, n * p, *pages.shape[3:])
+        new = jnp.moveaxis(new.astype(pages.dtype), 1, 0)  # [K, N, ...]
+        return flat.at[:, slots].set(new, mode="drop").reshape(pages.shape)
 
-    return (
-        [write(pages, new) for pages, new in zip(k, new_k, strict=True)],
-        [write(pages, new) for pages, new in zip(v, new_v, strict=True)],
-    )
+    if not pool.quantized:
+        k = [write(pages, new) for pages, new in zip(pool.k, new_k, strict=True)]
+        v = [write(pages, new) for pages, new in zip(pool.v, new_v, strict=True)]
+        return dataclasses.replace(pool, k=k, v=v)
+    out: dict[str, list[jax.Array]] = {"k": [], "v": [], "k_scales": [], "v_scales": []}
+    for which, news in (("k", new_k), ("v", new_v)):
+        pages_list, scales_list = getattr(pool, which), getattr(pool, f"{which}_scales")
+        for pages, scales, new in zip(pages_list, scales_list, news, strict=True):
+            codes, new_scales = quantize_kv(new, pool.kv_dtype)  # [N, K, E'], [N, K]
+            out[which].append(write(pages, codes))
+            out[f"{which}_scales"].append(write(scales, new_scales))
+    return dataclasses.replace(pool, **out)
 
 
 def _gather_attention(
     q: jax.Array,
     k_new: jax.Array,
     v_new: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    pool: KVPool,
+    layer: int,
     block_tables: jax.Array,
     positions: jax.Array,
     scale: float,
+    backend: str,
 ) -> jax.Array:
     """Pure-XLA paged attention: gather each row's blocks, append the new tokens, masked GQA.
 
     Rows hold contiguous positions start..start+T-1 (padding -1). A query at position p sees its
     row's cached positions < start and the new tokens at positions <= p; everything else (other
     rows' blocks, unused table entries, NaN-filled free blocks) is masked out exactly."""
-    kvh, _, p, e = k_pages.shape
+    del backend
     r, m = block_tables.shape
+    kvh, _, p = pool.k[layer].shape[:3]
+    e = q.shape[-1]
 
-    def gather(pages: jax.Array, new: jax.Array) -> jax.Array:
-        g = pages[:, block_tables]  # [K, R, M, P, E]
+    def gather(which: str, new: jax.Array) -> jax.Array:
+        g = pool.read(layer, which, block_tables, q.dtype)  # [K, R, M, P, E]
         g = g.transpose(1, 0, 2, 3, 4).reshape(r, kvh, m * p, e)  # [R, K, M*P, E]
         return jnp.concatenate([g, new.transpose(0, 2, 1, 3).astype(g.dtype)], axis=2)
 
@@ -148,24 +213,72 @@ def _gather_attention(
     valid_q = (positions >= 0)[:, :, None]  # [R, T, 1]
     ctx_pos = jnp.arange(m * p)
     mask_ctx = (ctx_pos[None, None, :] < start[:, None, None]) & valid_q  # [R, T, M*P]
-    mask_new = (positions[:, None, :] <= positions[:, :, None]) & (positions[:, None, :] >= 0)
-    mask = jnp.concatenate([mask_ctx, mask_new & valid_q], axis=-1)  # [R, T, M*P + T]
-    return grouped_query_attention(q, gather(k_pages, k_new), gather(v_pages, v_new), mask, scale)
+    mask = jnp.concatenate([mask_ctx, _new_token_mask(positions)], axis=-1)  # [R, T, M*P + T]
+    return grouped_query_attention(q, gather("k", k_new), gather("v", v_new), mask, scale)
 
 
-def copy_blocks(
-    k: list[jax.Array], v: list[jax.Array], src: jax.Array, dst: jax.Array
-) -> tuple[list[jax.Array], list[jax.Array]]:
-    """Copy-on-write: pages ``src`` [C] to ``dst`` [C] in every layer."""
-    k = [pages.at[:, dst].set(pages[:, src]) for pages in k]
-    v = [pages.at[:, dst].set(pages[:, src]) for pages in v]
-    return k, v
+def _new_token_mask(positions: jax.Array) -> jax.Array:
+    """[R, T, T]: a query at position p sees its row's new tokens at positions <= p."""
+    valid_q = (positions >= 0)[:, :, None]
+    causal = (positions[:, None, :] <= positions[:, :, None]) & (positions[:, None, :] >= 0)
+    return causal & valid_q
 
 
-def fill_blocks(
-    k: list[jax.Array], v: list[jax.Array], blocks: jax.Array, value: float
-) -> tuple[list[jax.Array], list[jax.Array]]:
-    """Overwrite whole blocks with ``value`` (NaN poisoning of freed blocks in tests)."""
-    k = [pages.at[:, blocks].set(value) for pages in k]
-    v = [pages.at[:, blocks].set(value) for pages in v]
-    return k, v
+def _kernel_attention(
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    pool: KVPool,
+    layer: int,
+    block_tables: jax.Array,
+    positions: jax.Array,
+    scale: float,
+    backend: str,
+) -> jax.Array:
+    """The cached context through the Pallas paged-attention kernel, merged with attention over
+    the call's new tokens: out = (w_c * out_c + w_n * out_n) / (w_c + w_n), w = exp(lse - max).
+
+    Every query token becomes one kernel query with its row's block table and the row's cached
+    length (its start position), so a prefill chunk of T tokens costs T decode queries."""
+    from pallas_kernels.paged_attention import paged_attention
+
+    r, t, h, e = q.shape
+    start = jnp.maximum(positions[:, 0], 0)  # cached tokens per row (0 for padding rows)
+    ctx_out, ctx_lse = paged_attention(
+        q.reshape(r * t, h, e),
+        pool.k[layer],
+        pool.v[layer],
+        jnp.repeat(block_tables, t, axis=0),
+        jnp.repeat(start, t),
+        sm_scale=scale,
+        k_scales=pool.k_scales[layer] if pool.quantized else None,
+        v_scales=pool.v_scales[layer] if pool.quantized else None,
+        return_lse=True,
+        interpret=backend == "pallas_interpret",
+    )
+    new_out, new_lse = attention_with_lse(q, k_new, v_new, _new_token_mask(positions), scale)
+    ctx_out = ctx_out.reshape(r, t, h, e).astype(jnp.float32)
+    ctx_lse = ctx_lse.reshape(r, t, h)
+    top = jnp.maximum(ctx_lse, new_lse)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w_ctx, w_new = jnp.exp(ctx_lse - top), jnp.exp(new_lse - top)  # 0 where a side is empty
+    denom = jnp.where(w_ctx + w_new > 0, w_ctx + w_new, 1.0)
+    out = (w_ctx[..., None] * ctx_out + w_new[..., None] * new_out) / denom[..., None]
+    return out.astype(q.dtype)
+
+
+def copy_blocks(pool: KVPool, src: jax.Array, dst: jax.Array) -> KVPool:
+    """Copy-on-write: pages (and scales) ``src`` [C] to ``dst`` [C] in every layer."""
+    return jax.tree_util.tree_map(lambda pages: pages.at[:, dst].set(pages[:, src]), pool)
+
+
+def fill_blocks(pool: KVPool, blocks: jax.Array, value: float) -> KVPool:
+    """Overwrite whole blocks with ``value`` (NaN poisoning of freed blocks in tests); integer
+    codes (int4) keep their bits and the scales carry the value."""
+
+    def fill(pages: jax.Array) -> jax.Array:
+        if jnp.issubdtype(pages.dtype, jnp.integer):
+            return pages
+        return pages.at[:, blocks].set(value)
+
+    return jax.tree_util.tree_map(fill, pool)

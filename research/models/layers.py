@@ -116,3 +116,27 @@ def grouped_query_attention(
     v = jnp.where(mask.any(axis=1)[:, None, :, None], v, jnp.zeros((), v.dtype))
     out = jnp.einsum("BKGTS,BKSE->BKGTE", probs, v, preferred_element_type=jnp.float32)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, e).astype(q.dtype)
+
+
+def attention_with_lse(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float
+) -> tuple[jax.Array, jax.Array]:
+    """Masked GQA that also returns the log-sum-exp of the scores, for merging partial
+    attentions (the paged kernel's cached context with a call's new tokens).
+
+    q [B, T, H, E], k and v [B, S, K, E], mask [B, T, S] -> (float32 out [B, T, H, E],
+    lse [B, T, H]); a query with no visible key gets out 0 and lse -inf.
+    """
+    b, t, h, e = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, t, kvh, h // kvh, e).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, E]
+    kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, E]
+    scores = jnp.einsum("BKGTE,BKSE->BKGTS", qg, kt, preferred_element_type=jnp.float32) * scale
+    m = mask[:, None, None, :, :]
+    scores = jnp.where(m, scores, -jnp.inf)
+    lse = jax.nn.logsumexp(scores, axis=-1)  # [B, K, G, T]
+    probs = jnp.where(m, jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+    vt = jnp.where(mask.any(axis=1)[:, None, :, None], vt, jnp.zeros((), vt.dtype))
+    out = jnp.einsum("BKGTS,BKSE->BKGTE", probs, vt.astype(jnp.float32))
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, e)
+    return out, lse.transpose(0, 3, 1, 2).reshape(b, t, h)
