@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -132,7 +133,7 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    scheduling_policy: Literal["continuous", "static"] = "continuous"
+    scheduling_policy: str = "continuous"  # continuous | static
     enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
@@ -146,3 +147,180 @@ class SchedulerConfig:
             raise ValueError(
                 f"scheduling_policy must be 'continuous' or 'static', got {self.scheduling_policy!r}"
             )
+
+
+# ---------------------------------------------------------------------- experiment schemas
+# The Hydra app (``python -m experiments.run``) composes one RunConfig from the config groups in
+# ``configs/``; ``register_configs`` stores these dataclasses in Hydra's ConfigStore so every
+# YAML file is checked against them (unknown keys and wrong types are errors).
+
+QUANTIZATION_CHOICES = (None, "awq", "nvfp4", "mxfp4", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "int4")
+EXECUTORS = ("real", "simulated", "hf")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Which model and how to load it: a preset name, HF directory, GGUF file or orbax
+    checkpoint; the dtype of activations and unquantized weights."""
+
+    model: str = "smollm2-135m"
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Weight quantization applied at load and the KV-cache storage format."""
+
+    quantization: str | None = None  # None | awq | nvfp4 | mxfp4 | fp8
+    kv_cache_dtype: str = "auto"  # auto | fp8 | int4
+
+    def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATION_CHOICES}, got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """What runs the steps: ``real`` (JAX on this machine), ``simulated`` (a cost model of
+    ``hardware``), or ``hf`` (HF transformers ``generate`` in static batches, the peer run)."""
+
+    kind: str = "real"
+    attention_backend: str = "xla"  # xla | pallas | pallas_interpret
+
+    def __post_init__(self) -> None:
+        if self.kind not in EXECUTORS:
+            raise ValueError(f"executor kind must be one of {EXECUTORS}, got {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class HardwareConfig:
+    """The machine: ``host`` for the real executor on this machine, or a named machine of the
+    cost model. ``gpu_memory_utilization`` sizes the KV pool on named machines, as in vLLM."""
+
+    name: str = "host"
+    gpu_memory_utilization: float = 0.9
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    """``vllm bench serve``'s random dataset and load shape: lengths uniform in
+    [L(1 - r), L(1 + r)], ``ignore_eos``; arrivals all at once (rate inf) or gamma with
+    ``burstiness`` (1 = Poisson) at ``request_rate`` per second."""
+
+    dataset: str = "random"
+    input_len: int = 128
+    output_len: int = 128
+    range_ratio: float = 0.0
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dataset != "random":
+            raise ValueError(f"dataset must be 'random', got {self.dataset!r}")
+        if self.input_len < 1 or self.output_len < 1:
+            raise ValueError("input_len and output_len must be >= 1")
+        if not 0.0 <= self.range_ratio < 1.0:
+            raise ValueError(f"range_ratio must be in [0, 1), got {self.range_ratio}")
+        if self.request_rate <= 0 or self.burstiness <= 0:
+            raise ValueError("request_rate and burstiness must be > 0")
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """A sweep over concurrency inside one run (compiled functions are reused across points):
+    ``prompts_per_concurrency`` requests per concurrency slot at each point, after an untimed
+    warmup pass of the same shapes. SLOs (ms, None = unbounded) define goodput."""
+
+    name: str = "concurrency_sweep"
+    concurrencies: tuple[int, ...] = (1, 4, 16, 64)
+    prompts_per_concurrency: int = 3
+    warmup: bool = True
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    slo_e2el_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.concurrencies or min(self.concurrencies) < 1:
+            raise ValueError(f"concurrencies must be >= 1, got {self.concurrencies}")
+        if self.prompts_per_concurrency < 1:
+            raise ValueError("prompts_per_concurrency must be >= 1")
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    """W&B: ``offline`` (default, no network), ``online``, or ``disabled``. Results files and
+    plots land in the run directory whatever W&B does."""
+
+    wandb_mode: str = "offline"
+    project: str = "research-serving"
+    plots: bool = True
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The whole experiment: one field per config group."""
+
+    model: LoadConfig = LoadConfig()
+    quantization: QuantConfig = QuantConfig()
+    executor: ExecutorConfig = ExecutorConfig()
+    hardware: HardwareConfig = HardwareConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    workload: WorkloadConfig = WorkloadConfig()
+    experiment: ExperimentConfig = ExperimentConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    output_dir: str | None = None  # default: Hydra's run directory
+
+
+RUN_GROUPS = {
+    "model": LoadConfig,
+    "quantization": QuantConfig,
+    "executor": ExecutorConfig,
+    "hardware": HardwareConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "workload": WorkloadConfig,
+    "experiment": ExperimentConfig,
+    "tracking": TrackingConfig,
+}
+
+
+def register_configs() -> None:
+    """Store ``RunConfig`` in Hydra's ConfigStore as ``run_schema``: the primary config lists
+    it first in its defaults, so every group's YAML is merged onto (and checked against) it."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    def node(schema: type) -> Any:
+        # Frozen dataclasses give read-only nodes; the YAML on top must be able to set values.
+        cfg = OmegaConf.structured(schema)
+        OmegaConf.set_readonly(cfg, False)
+        return cfg
+
+    ConfigStore.instance().store(name="run_schema", node=node(RunConfig))
+
+
+def run_config_from(cfg: Any) -> RunConfig:
+    """A composed Hydra config (DictConfig) -> the frozen RunConfig, validated."""
+    from omegaconf import OmegaConf
+
+    container = OmegaConf.to_container(cfg, resolve=True)
+    container.pop("hydra", None)
+    groups = {}
+    for group, schema in RUN_GROUPS.items():
+        values = dict(container.get(group) or {})
+        for key, value in values.items():  # YAML lists -> tuples
+            if isinstance(value, list):
+                values[key] = tuple(value)
+        groups[group] = schema(**values)
+    return RunConfig(**groups, output_dir=container.get("output_dir"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -41,6 +42,7 @@ class Engine:
         kv_cache_dtype: str = "auto",
         seed: int = 0,
         poison_freed_blocks: bool = False,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self.model_config = cfg
         self.tokenizer = tokenizer
@@ -72,8 +74,13 @@ class Engine:
             kv_cache_dtype=kv_cache_dtype,
             kv_fill_value=float("nan") if poison_freed_blocks else 0.0,
         )
+        # Timestamps in RequestMetrics come from ``clock`` (a simulated executor's virtual clock
+        # replaces it); step and device times below are always real wall-clock seconds.
+        self.clock = clock
         self.requests: dict[str, Sequence] = {}
         self.num_steps = 0
+        self.step_time = 0.0  # wall seconds inside step()
+        self.device_time = 0.0  # of which inside the jitted calls (dispatch to results ready)
         self._counter = 0
         self._eos = set(cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -140,7 +147,7 @@ class Engine:
             sampling_params=sp,
             seed=seed & 0xFFFFFFFF,
             metrics=RequestMetrics(
-                arrival_time=time.perf_counter() if arrival_time is None else arrival_time
+                arrival_time=self.clock() if arrival_time is None else arrival_time
             ),
             prompt=prompt,
         )
@@ -189,6 +196,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, execute and commit one iteration; outputs of requests that advanced."""
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             if self.scheduler.has_unfinished():
@@ -197,16 +205,19 @@ class Engine:
                     f"(stats: {self.stats()})"
                 )
             return []
-        now = time.perf_counter()
+        now = self.clock()
         for item in plan.scheduled:
             if item.seq.metrics.first_scheduled_time is None:
                 item.seq.metrics.first_scheduled_time = now
         result = self.executor.execute(plan)
         self.num_steps += 1
-        return self._commit(plan, result)
+        outputs = self._commit(plan, result)
+        self.device_time += result.device_time
+        self.step_time += time.perf_counter() - t0
+        return outputs
 
     def _commit(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        now = time.perf_counter()
+        now = self.clock()
         outputs = []
         for seq in self.scheduler.commit(plan):
             token = result.tokens[seq.request_id]
@@ -247,7 +258,7 @@ class Engine:
     def _finish(self, seq: Sequence) -> None:
         self.requests.pop(seq.request_id, None)
         self.scheduler.finish(seq)
-        seq.metrics.finished_time = time.perf_counter()
+        seq.metrics.finished_time = self.clock()
 
     def _output(self, seq: Sequence) -> RequestOutput:
         text = seq.output_text
@@ -283,4 +294,7 @@ class Engine:
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_free": bm.num_free_blocks,
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
+            "step_time_s": self.step_time,
+            "device_time_s": self.device_time,
+            "host_time_s": self.step_time - self.device_time,
         }

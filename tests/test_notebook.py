@@ -1,0 +1,53 @@
+"""notebooks/figures.ipynb runs top to bottom on a small results file and draws its figures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+from research.bench import append_result
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "figures.ipynb"
+
+
+def _point(concurrency: int) -> dict:
+    tpot_ms = 12.5 * (1 + concurrency / 16)
+    return {
+        "model_id": "tiny-llama",
+        "num_prompts": 3 * concurrency,
+        "request_rate": "inf",
+        "max_concurrency": concurrency,
+        "completed": 3 * concurrency,
+        "output_throughput": 1000 * concurrency / tpot_ms,
+        "median_tpot_ms": tpot_ms,
+        "median_ttft_ms": 37.0 * (1 + concurrency / 8),
+        "p99_ttft_ms": 60.0 * (1 + concurrency / 8),
+    }
+
+
+def test_figures_notebook_runs_and_draws(tmp_path, monkeypatch):
+    results = tmp_path / "results.jsonl"
+    for concurrency in (1, 8, 32):
+        append_result(results, _point(concurrency))
+    monkeypatch.setenv("RESULTS_PATH", str(results))
+    monkeypatch.setenv("FIGURES_DIR", str(tmp_path / "figures"))
+
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    assert all(not cell.get("outputs") for cell in nb.cells if cell.cell_type == "code")
+    # A kernelspec whose command is "python" runs this interpreter (the venv's).
+    client = NotebookClient(
+        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
+    client.execute()
+
+    outputs = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
+    assert not [out for out in outputs if out.output_type == "error"]
+    images = [out for out in outputs if "image/png" in out.get("data", {})]
+    assert len(images) == 2
+    tables = [
+        out["data"]["text/markdown"] for out in outputs if "text/markdown" in out.get("data", {})
+    ]
+    assert len(tables) == 1 and "| tiny-llama | 8 |" in tables[0]
+    assert (tmp_path / "figures" / "concurrency_curves.png").stat().st_size > 1000
