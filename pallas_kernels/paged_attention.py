@@ -1,0 +1,491 @@
+"""Paged decode attention (one query token per sequence) on Pallas' Triton backend, with float,
+FP8 or int4 KV pages dequantized tile by tile inside the kernel.
+
+Layout (JAX's Pallas paged attention): q [B, H, D]; K/V pages [K, P, S, Dk]; per-token scales
+[K, P, S] for quantized KV; block_tables [B, M] (page ids of each sequence, in order) and lengths
+[B]. Sequence b's token t lives at page ``block_tables[b, t // S]``, offset ``t % S``. KV codes
+follow ``research.quant.kv``: Dk = D for float and fp8 pages, D/2 for int4 (split-half nibbles).
+
+Grid (B, K, splits): one program reads the pages of one sequence and kv head, for all G query
+heads of that kv head at once (padded to Gp >= 16 rows because Triton's dot needs every dim >=
+16), so each K/V page is read once per kv head. A split covers a contiguous run of the
+sequence's pages, walked in compute blocks of ``pages_per_compute_block`` pages (T = pages * S
+tokens) with an online softmax in float32. Each split writes its unnormalized output, running
+max and sum; a log-sum-exp reduction outside the kernel combines the splits.
+
+Masking: token positions >= lengths[b] are loaded as 0 (masked loads, so a GPU never reads them)
+and their scores set to -inf. Loading K, V and scales as 0 matters as much as masking the scores:
+a NaN in an unused page (or the tail of the last page) would otherwise reach the output as
+0 * NaN in p @ v. A sequence of length 0 gets zeros.
+
+Differences from ``jax.experimental.pallas.ops.gpu.paged_attention``: q is not pre-scaled (we
+take ``sm_scale``, default 1/sqrt(D), and apply it to the float32 scores); int4 pages; splits
+and compute blocks adapt to the table width (it need not divide by ``k_splits``); the partial
+results stay float32.
+
+Axis legend: B = batch (sequences), H = query heads, K = kv heads, G = H / K query heads per kv
+head, Gp = G padded to a power of two >= 16, P = pages in the pool, S = page size (tokens per
+page), M = pages per sequence (block-table width), D = head_dim, Dk = stored code width,
+T = tokens per compute block.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from research.quant.kv import (
+    dequantize_kv,
+    int4_unpack_halves,
+    kv_code_shape,
+    kv_dtype_of,
+    quantize_kv,
+)
+
+MIN_DOT_DIM = 16  # Triton's tl.dot needs every operand dim >= 16
+
+
+def _is_power_of_2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _split_plan(
+    pages_per_seq: int, page_size: int, pages_per_compute_block: int, k_splits: int
+) -> tuple[int, int, int]:
+    """(pages per compute block, splits, compute blocks per split) for a table of M pages.
+
+    The compute block is at most the table width (rounded up to a power of two) and at least 16
+    tokens; the requested splits are capped at the number of compute blocks, and trailing splits
+    that would get no block are dropped. The table is padded to splits * blocks * pages columns.
+    """
+    pages = min(pages_per_compute_block, pl.next_power_of_2(pages_per_seq))
+    pages = max(pages, pl.cdiv(MIN_DOT_DIM, page_size))
+    n_blocks = pl.cdiv(pages_per_seq, pages)
+    blocks_per_split = pl.cdiv(n_blocks, min(k_splits, n_blocks))
+    return pages, pl.cdiv(n_blocks, blocks_per_split), blocks_per_split
+
+
+def _kernel(
+    q_ref,  # [Gp, D]
+    k_ref,  # [P, S, Dk] this kv head's pages
+    ks_ref,  # [P, S] or None
+    v_ref,  # [P, S, Dk]
+    vs_ref,  # [P, S] or None
+    table_ref,  # [blocks_per_split * pages] this split's page ids
+    length_ref,  # [1]
+    o_ref,  # [Gp, D] float32, unnormalized
+    m_ref,  # [Gp] running max of the scores
+    l_ref,  # [Gp] softmax denominator (relative to m)
+    *,
+    sm_scale: float,
+    int4: bool,
+    compute_dtype: Any,
+    pages: int,
+    blocks_per_split: int,
+):
+    gp, d = q_ref.shape
+    page_size = k_ref.shape[1]
+    block_t = pages * page_size
+    length = length_ref[0]
+    split_start = pl.program_id(2) * (blocks_per_split * block_t)
+    n_blocks = jnp.clip(pl.cdiv(length - split_start, block_t), 0, blocks_per_split)
+
+    if int4:  # q·k = q[:D/2]·lo + q[D/2:]·hi; the output halves accumulate separately
+        half = d // 2
+        qs = (q_ref[:, pl.ds(0, half)], q_ref[:, pl.ds(half, half)])
+    else:
+        qs = (q_ref[...],)
+    qs = tuple(x.astype(compute_dtype) for x in qs)
+
+    def body(i, carry):
+        accs, m_prev, l_prev = carry
+        ids = table_ref[pl.ds(i * pages, pages)]  # [pages]
+        token = (
+            split_start
+            + i * block_t
+            + jax.lax.broadcasted_iota(jnp.int32, (pages, page_size), 0) * page_size
+            + jax.lax.broadcasted_iota(jnp.int32, (pages, page_size), 1)
+        )
+        # [pages, S]; n_blocks counts only blocks starting below the length, so each has a
+        # valid token and the running max below is finite.
+        valid = token < length
+        valid_t = valid.reshape(block_t)
+
+        # Gathers index every axis with an array (interpret mode cannot mix arrays and slices).
+        offset = jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
+
+        def load_codes(ref):  # -> parts of the tile, each [T, D or D/2], in compute_dtype
+            lane = jax.lax.broadcasted_iota(jnp.int32, (1, 1, ref.shape[-1]), 2)
+            idx = (ids[:, None, None], offset[:, :, None], lane)
+            zero = jnp.zeros((), ref.dtype)  # Triton cannot cast an int `other` to fp8
+            tile = pltriton.load(ref.at[idx], mask=valid[:, :, None], other=zero)
+            tile = tile.reshape(block_t, ref.shape[-1])
+            parts = int4_unpack_halves(tile) if int4 else (tile,)
+            return tuple(x.astype(compute_dtype) for x in parts)
+
+        def load_scales(ref):  # -> [T] float32, 0 where masked
+            return pltriton.load(ref.at[ids[:, None], offset], mask=valid, other=0).reshape(block_t)
+
+        scores = sum(
+            pltriton.dot(q, k, trans_b=True) for q, k in zip(qs, load_codes(k_ref), strict=True)
+        )
+        if ks_ref is None:
+            scores = scores * sm_scale
+        else:
+            scores = scores * (load_scales(ks_ref) * sm_scale)[None, :]
+        scores = jnp.where(valid_t[None, :], scores, -jnp.inf)  # [Gp, T]
+
+        m_next = jnp.maximum(m_prev, scores.max(axis=-1))
+        correction = jnp.exp(m_prev - m_next)
+        p = jnp.exp(scores - m_next[:, None])  # exactly 0 at masked tokens
+        l_next = correction * l_prev + p.sum(axis=-1)
+        if vs_ref is not None:  # per-token V scale: scale the probabilities, not the codes
+            p = p * load_scales(vs_ref)[None, :]
+        p = p.astype(compute_dtype)
+        accs = tuple(
+            correction[:, None] * acc + pltriton.dot(p, v)
+            for acc, v in zip(accs, load_codes(v_ref), strict=True)
+        )
+        return accs, m_next, l_next
+
+    accs = tuple(jnp.zeros((gp, q.shape[1]), jnp.float32) for q in qs)
+    m = jnp.full((gp,), -jnp.inf, jnp.float32)
+    total = jnp.zeros((gp,), jnp.float32)
+    accs, m, total = jax.lax.fori_loop(0, n_blocks, body, (accs, m, total))
+
+    if int4:
+        o_ref[:, pl.ds(0, half)] = accs[0]
+        o_ref[:, pl.ds(half, half)] = accs[1]
+    else:
+        o_ref[...] = accs[0]
+    m_ref[...] = m
+    l_ref[...] = total
+
+
+def _validate(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    k_scales: jax.Array | None,
+    v_scales: jax.Array | None,
+    kv_dtype: str | None,
+) -> str:
+    """Shape/dtype checks shared by the kernel and the reference; returns the kv_dtype."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [batch, heads, head_dim]; got shape {q.shape}")
+    if k_pages.ndim != 4:
+        raise ValueError(
+            f"k_pages must be [kv_heads, pages, page_size, head_dim]; got shape {k_pages.shape}"
+        )
+    if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
+        raise ValueError(
+            f"k_pages and v_pages differ: {k_pages.shape} {k_pages.dtype} vs "
+            f"{v_pages.shape} {v_pages.dtype}"
+        )
+    batch, heads, head_dim = q.shape
+    kv_heads, num_pages, page_size, code_dim = k_pages.shape
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} kv heads")
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be [{batch}, pages_per_seq]; got {block_tables.shape}")
+    if lengths.shape != (batch,):
+        raise ValueError(f"lengths must be [{batch}]; got shape {lengths.shape}")
+    if block_tables.dtype != jnp.int32 or lengths.dtype != jnp.int32:
+        raise ValueError(
+            f"block_tables and lengths must be int32; got {block_tables.dtype}, {lengths.dtype}"
+        )
+    if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise ValueError(f"q must be float32, bfloat16 or float16; got {q.dtype}")
+
+    stored = kv_dtype_of(k_pages.dtype)
+    if kv_dtype is not None and kv_dtype != stored:
+        raise ValueError(f"kv_dtype {kv_dtype!r} but the pages are {k_pages.dtype} ({stored!r})")
+    if kv_code_shape(head_dim, stored) != (code_dim,):
+        raise ValueError(
+            f"{stored} pages of head_dim {head_dim} store {kv_code_shape(head_dim, stored)} "
+            f"codes per token; k_pages has {code_dim}"
+        )
+    scales_shape = (kv_heads, num_pages, page_size)
+    if stored == "auto":
+        if k_scales is not None or v_scales is not None:
+            raise ValueError(f"k_scales/v_scales only apply to fp8/int4 pages, not {k_pages.dtype}")
+    else:
+        for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if s is None or s.shape != scales_shape or s.dtype != jnp.float32:
+                got = None if s is None else f"{s.dtype}{list(s.shape)}"
+                raise ValueError(
+                    f"{stored} pages need {name} float32{list(scales_shape)}; got {got}"
+                )
+    return stored
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "kv_dtype",
+        "pages_per_compute_block",
+        "k_splits",
+        "num_warps",
+        "num_stages",
+        "interpret",
+    ),
+)
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    kv_dtype: str | None = None,
+    pages_per_compute_block: int = 8,
+    k_splits: int = 16,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:
+    """Decode attention of q [B, H, D] over paged K/V; returns [B, H, D] in q.dtype.
+
+    Args:
+      q: one query token per sequence, [B, H, D], float32/bfloat16/float16. Not pre-scaled.
+      k_pages, v_pages: [K, P, S, Dk]: float pages (Dk = D), float8_e4m3fn (fp8, Dk = D) or
+        uint8 split-half int4 codes (Dk = D/2); see ``research.quant.kv``.
+      block_tables: int32 [B, M], page ids in [0, P); entries past a sequence's last page may
+        hold anything (-1, stale ids): their pages are never loaded.
+      lengths: int32 [B], tokens per sequence (clipped to M * S). Length 0 gives zeros.
+      sm_scale: softmax scale applied to q·k; default 1/sqrt(D).
+      k_scales, v_scales: float32 [K, P, S] per-token scales, required for fp8/int4 pages.
+      kv_dtype: "auto" (float), "fp8" or "int4"; inferred from the page dtype, checked if given.
+      pages_per_compute_block: pages per inner-loop tile (a power of two); capped at the table
+        width and raised so a tile holds >= 16 tokens.
+      k_splits: splits of each sequence's pages into programs run in parallel (more for long
+        contexts with few sequences); capped at the number of compute blocks.
+      num_warps, num_stages: Triton compiler parameters.
+      interpret: run the kernel in Pallas' interpreter (CPU).
+
+    S, D, Dk and the compute block must be powers of two and Dk >= 16 (Triton). The dots run in
+    q.dtype for quantized pages (fp8 and int4 codes are exact in bfloat16), else in the wider of
+    q.dtype and the page dtype, accumulating in float32.
+    """
+    stored = _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, kv_dtype)
+    batch, heads, head_dim = q.shape
+    kv_heads, num_pages, page_size, code_dim = k_pages.shape
+    pages_per_seq = block_tables.shape[1]
+    if not all(map(_is_power_of_2, (page_size, head_dim, code_dim, pages_per_compute_block))):
+        raise ValueError(
+            "page size, head_dim, stored code width and pages_per_compute_block must be powers "
+            f"of two (Triton); got {page_size}, {head_dim}, {code_dim}, {pages_per_compute_block}"
+        )
+    if code_dim < MIN_DOT_DIM:
+        raise ValueError(f"stored code width {code_dim} < {MIN_DOT_DIM} (Triton dot operands)")
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    compute_dtype = q.dtype if stored != "auto" else jnp.promote_types(q.dtype, k_pages.dtype)
+
+    pages, splits, blocks_per_split = _split_plan(
+        pages_per_seq, page_size, pages_per_compute_block, k_splits
+    )
+    pages_per_split = blocks_per_split * pages
+    tables = jnp.pad(block_tables, ((0, 0), (0, splits * pages_per_split - pages_per_seq)))
+    tables = tables.reshape(batch, splits, pages_per_split)
+    lengths = jnp.minimum(lengths, pages_per_seq * page_size)
+
+    group = heads // kv_heads
+    block_h = max(MIN_DOT_DIM, pl.next_power_of_2(group))
+    q_blocks = q.reshape(batch, kv_heads, group, head_dim)
+    q_blocks = jnp.pad(q_blocks, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
+
+    page_spec = pl.BlockSpec((None, num_pages, page_size, code_dim), lambda b, h, s: (h, 0, 0, 0))
+    scale_spec = (
+        None
+        if stored == "auto"
+        else pl.BlockSpec((None, num_pages, page_size), lambda b, h, s: (h, 0, 0))
+    )
+    kernel = functools.partial(
+        _kernel,
+        sm_scale=sm_scale,
+        int4=stored == "int4",
+        compute_dtype=compute_dtype,
+        pages=pages,
+        blocks_per_split=blocks_per_split,
+    )
+    partial_shape = (splits, batch, kv_heads, block_h)
+    acc, m, total = pl.pallas_call(
+        kernel,
+        grid=(batch, kv_heads, splits),
+        in_specs=[
+            pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0)),
+            page_spec,
+            scale_spec,
+            page_spec,
+            scale_spec,
+            pl.BlockSpec((None, None, pages_per_split), lambda b, h, s: (b, s, 0)),
+            pl.BlockSpec((1,), lambda b, h, s: (b,)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, block_h, head_dim), lambda b, h, s: (s, b, h, 0, 0)),
+            pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (s, b, h, 0)),
+            pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (s, b, h, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+        ],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"paged_attention_{stored}",
+    )(q_blocks, k_pages, k_scales, v_pages, v_scales, tables, lengths)
+
+    # Log-sum-exp over splits; an empty split has m = -inf, l = 0, acc = 0 and weight 0.
+    m_max = m.max(axis=0)
+    weight = jnp.exp(m - jnp.where(jnp.isfinite(m_max), m_max, 0.0))  # [splits, B, K, Gp]
+    denom = (weight * total).sum(axis=0)
+    out = (weight[..., None] * acc).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out[:, :, :group].reshape(batch, heads, head_dim).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "kv_dtype"))
+def paged_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    kv_dtype: str | None = None,
+) -> jax.Array:
+    """``paged_attention`` in plain jnp, all in float32: gather each sequence's pages through its
+    block table, dequantize, masked softmax (masked K/V rows zeroed, so NaN pages stay out)."""
+    stored = _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, kv_dtype)
+    batch, heads, head_dim = q.shape
+    kv_heads, _, page_size, _ = k_pages.shape
+    tokens = block_tables.shape[1] * page_size
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+
+    def gather(pages: jax.Array, scales: jax.Array | None) -> jax.Array:  # -> [B, K, M*S, D]
+        codes = pages[:, block_tables]  # [K, B, M, S, Dk]
+        if stored == "auto":
+            x = codes.astype(jnp.float32)
+        else:
+            x = dequantize_kv(codes, scales[:, block_tables], stored)
+        return x.reshape(kv_heads, batch, tokens, head_dim).transpose(1, 0, 2, 3)
+
+    valid = jnp.arange(tokens)[None, :] < lengths[:, None]  # [B, M*S]
+    k = jnp.where(valid[:, None, :, None], gather(k_pages, k_scales), 0.0)
+    v = jnp.where(valid[:, None, :, None], gather(v_pages, v_scales), 0.0)
+    qg = q.astype(jnp.float32).reshape(batch, kv_heads, heads // kv_heads, head_dim)
+    hi = jax.lax.Precision.HIGHEST
+    scores = jnp.einsum("bkgd,bktd->bkgt", qg, k, precision=hi) * sm_scale
+    scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)
+    m = scores.max(axis=-1, keepdims=True)
+    p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))  # 0 at masked tokens
+    denom = p.sum(axis=-1, keepdims=True)
+    out = jnp.einsum("bkgt,bktd->bkgd", p, v, precision=hi) / jnp.where(denom > 0, denom, 1.0)
+    return out.reshape(batch, heads, head_dim).astype(q.dtype)
+
+
+# ---- benchmark -----------------------------------------------------------------------------------
+
+PEAK_BANDWIDTH = {"H200": 4.8e12, "GB10": 2.73e11}  # bytes/s, matched in device_kind
+KV_FORMATS = ("bf16", "fp8", "int4")
+_quantize_kv = jax.jit(quantize_kv, static_argnums=1)
+
+
+def _bench_inputs(
+    key: jax.Array,
+    kv: str,
+    *,
+    batch: int,
+    context: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int,
+) -> tuple[tuple[jax.Array, ...], dict[str, jax.Array], int]:
+    """Random bf16 q and K/V (quantized to ``kv``), pages shuffled in the pool, every sequence
+    ``context`` tokens long. Returns the positional args, the scale kwargs and the useful bytes
+    (K/V rows below the lengths, their scales, block tables, lengths, q and out)."""
+    pages_per_seq = context // page_size
+    num_pages = batch * pages_per_seq
+    kq, kk, kv_key, kt = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (batch, heads, head_dim), jnp.bfloat16)
+    shape = (kv_heads, num_pages, page_size, head_dim)
+    k, v = (jax.random.normal(x, shape, jnp.bfloat16) for x in (kk, kv_key))
+    tables = jax.random.permutation(kt, num_pages).reshape(batch, pages_per_seq)
+    lengths = jnp.full((batch,), context, jnp.int32)
+    scales = {}
+    if kv != "bf16":
+        k, scales["k_scales"] = _quantize_kv(k, kv)
+        v, scales["v_scales"] = _quantize_kv(v, kv)
+    rows = batch * context * kv_heads  # K (or V) vectors read
+    row_bytes = k.shape[-1] * k.dtype.itemsize + (4 if scales else 0)
+    nbytes = 2 * rows * row_bytes + tables.size * 4 + batch * 4 + 2 * q.size * q.dtype.itemsize
+    return (q, k, v, tables.astype(jnp.int32), lengths), scales, nbytes
+
+
+def _time(fn, args: tuple, kwargs: dict, iters: int) -> float:
+    """Seconds per call: best of 3 runs of ``iters`` back-to-back calls, after 2 warmup calls."""
+    for _ in range(2):
+        fn(*args, **kwargs).block_until_ready()
+    best = math.inf
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args, **kwargs)
+        out.block_until_ready()
+        best = min(best, (time.perf_counter() - start) / iters)
+    return best
+
+
+def main() -> None:
+    """Sweep batch/context/KV format on the default device and print achieved bandwidth."""
+    device = jax.devices()[0]
+    interpret = device.platform != "gpu"
+    peak = next((bw for name, bw in PEAK_BANDWIDTH.items() if name in device.device_kind), None)
+    model = dict(heads=32, kv_heads=8, head_dim=128, page_size=16)  # Llama-3-8B-like attention
+    if interpret:
+        print(
+            f"{device.platform} ({device.device_kind}): no GPU, the kernel runs in Pallas' "
+            "interpreter, for correctness only; times and GB/s say nothing about a GPU."
+        )
+        model = dict(heads=8, kv_heads=2, head_dim=64, page_size=16)
+        sizes, splits, iters = [(2, 256)], (4,), 2
+    else:
+        sizes, splits, iters = [(64, 2048), (8, 8192), (128, 512), (1, 32768)], (1, 4, 16), 20
+    peak_text = f"{peak / 1e9:.0f} GB/s" if peak else "unknown (not in PEAK_BANDWIDTH)"
+    print(f"device {device.device_kind}, peak bandwidth {peak_text}; attention {model}")
+    print(f"{'kv':>5} {'batch':>5} {'context':>7} {'splits':>6} {'us':>9} {'GB/s':>8} {'%peak':>6}")
+    key = jax.random.key(0)
+    for batch, context in sizes:
+        for kv in KV_FORMATS:
+            args, scales, nbytes = _bench_inputs(key, kv, batch=batch, context=context, **model)
+            for k_splits in splits:
+                fn = functools.partial(paged_attention, k_splits=k_splits, interpret=interpret)
+                seconds = _time(fn, args, scales, iters)
+                gbps = nbytes / seconds / 1e9
+                pct = f"{100 * nbytes / seconds / peak:6.1f}" if peak else f"{'-':>6}"
+                print(
+                    f"{kv:>5} {batch:>5} {context:>7} {k_splits:>6} {seconds * 1e6:9.1f} "
+                    f"{gbps:8.1f} {pct}"
+                )
+            del args, scales
+
+
+if __name__ == "__main__":
+    main()
