@@ -238,6 +238,7 @@ def _validate(
         "num_warps",
         "num_stages",
         "interpret",
+        "return_lse",
     ),
 )
 def paged_attention(
@@ -256,8 +257,10 @@ def paged_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
-) -> jax.Array:
-    """Decode attention of q [B, H, D] over paged K/V; returns [B, H, D] in q.dtype.
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Decode attention of q [B, H, D] over paged K/V; returns [B, H, D] in q.dtype (and, with
+    ``return_lse``, the float32 log-sum-exp of the scaled scores [B, H], -inf for length 0).
 
     Args:
       q: one query token per sequence, [B, H, D], float32/bfloat16/float16. Not pre-scaled.
@@ -354,7 +357,12 @@ def paged_attention(
     weight = jnp.exp(m - jnp.where(jnp.isfinite(m_max), m_max, 0.0))  # [splits, B, K, Gp]
     denom = (weight * total).sum(axis=0)
     out = (weight[..., None] * acc).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]
-    return out[:, :, :group].reshape(batch, heads, head_dim).astype(q.dtype)
+    out = out[:, :, :group].reshape(batch, heads, head_dim).astype(q.dtype)
+    if not return_lse:
+        return out
+    # log sum_j exp(score_j): the weight of this partial attention when merging it with another.
+    lse = jnp.where(denom > 0, m_max + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+    return out, lse[:, :, :group].reshape(batch, heads)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "kv_dtype"))

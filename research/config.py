@@ -301,13 +301,16 @@ def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    def node(schema: type) -> Any:
-        # Frozen dataclasses give read-only nodes; the YAML on top must be able to set values.
-        cfg = OmegaConf.structured(schema)
+    def writable(cfg: Any) -> Any:
+        # Frozen dataclasses give read-only nodes (each nested one too); the YAML on top must be
+        # able to set values. Types and keys are still checked against the schema.
         OmegaConf.set_readonly(cfg, False)
+        for key in cfg:
+            if OmegaConf.is_dict(cfg._get_node(key)):
+                writable(cfg._get_node(key))
         return cfg
 
-    ConfigStore.instance().store(name="run_schema", node=node(RunConfig))
+    ConfigStore.instance().store(name="run_schema", node=writable(OmegaConf.structured(RunConfig)))
 
 
 def run_config_from(cfg: Any) -> RunConfig:
@@ -319,6 +322,9 @@ def run_config_from(cfg: Any) -> RunConfig:
     groups = {}
     for group, schema in RUN_GROUPS.items():
         values = dict(container.get(group) or {})
+        known = {f.name for f in dataclasses.fields(schema)}
+        if unknown := sorted(set(values) - known):
+            raise ValueError(f"{group}: unknown keys {unknown}; expected some of {sorted(known)}")
         for key, value in values.items():  # YAML lists -> tuples
             if isinstance(value, list):
                 values[key] = tuple(value)

@@ -35,6 +35,10 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         return self.hf.eos_token_id
 
+    @property
+    def all_special_ids(self) -> list[int]:
+        return list(self.hf.all_special_ids)
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` with the special tokens the model's tokenizer config adds."""
         return list(self.hf(text)["input_ids"])

@@ -1,0 +1,33 @@
+"""The experiments app: ``python -m experiments.run [group=option ...] [key=value ...]``.
+
+Config groups (``configs/``): model, quantization, executor, hardware, cache, scheduler, workload,
+experiment, tracking. ``-m`` sweeps across runs, e.g. block size and policy::
+
+    python -m experiments.run -m cache.block_size=8,16,32 scheduler=continuous,static
+
+Each run writes results.jsonl, run_config.json, PNG plots and an (offline) W&B run into its run
+directory (``output_dir=PATH`` overrides it).
+"""
+
+from __future__ import annotations
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from research.config import register_configs, run_config_from
+
+register_configs()
+
+
+@hydra.main(version_base=None, config_path="../configs", config_name="config")
+def main(cfg: DictConfig) -> None:
+    from experiments.sweep import run_experiment
+
+    run = run_config_from(cfg)
+    out_dir = run.output_dir or HydraConfig.get().runtime.output_dir
+    run_experiment(run, out_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""One experiment = a sweep over concurrency on one backend, inside one process.
+
+Compiled step functions are reused across the sweep's points. Each point: an untimed warmup pass
+(one request per slot, same lengths: it compiles the shapes the point will use), then
+``prompts_per_concurrency * C`` requests in a closed loop at concurrency C (or the workload's
+open-loop rate), recorded with the driver of ``research.bench``. Every point becomes one line of
+``results.jsonl`` in the run directory, a row of the W&B run, and a row of the printed table;
+plots are drawn at the end.
+
+Backends: ``real`` (this project's engine), ``hf`` (HF transformers ``generate`` in static
+batches, the peer), ``simulated`` (a cost model of a named machine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from research.bench import BenchmarkResult, BenchRequest, random_requests, run_benchmark
+from research.bench.report import append_result, format_table, result_point
+from research.config import RunConfig
+from research.tracking import Tracker
+
+TABLE_COLUMNS = (
+    "label",
+    "max_concurrency",
+    "completed",
+    "output_throughput",
+    "total_token_throughput",
+    "per_user_tok_s",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_tpot_ms",
+    "host_overhead_fraction",
+    "new_compilations",
+)
+
+
+class Backend(Protocol):
+    model_id: str
+    label: str
+    vocab_size: int
+    special_ids: tuple[int, ...]
+
+    def run(
+        self, requests: list[BenchRequest], max_concurrency: int | None, progress: bool
+    ) -> BenchmarkResult: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+class EngineBackend:
+    """This project's engine (``LLM``) on this machine."""
+
+    def __init__(self, run: RunConfig):
+        from research.llm import LLM
+
+        m, q, s, c = run.model, run.quantization, run.scheduler, run.cache
+        self.llm = LLM(
+            m.model,
+            dtype=m.dtype,
+            max_model_len=m.max_model_len,
+            seed=m.seed,
+            quantization=q.quantization,
+            kv_cache_dtype=q.kv_cache_dtype,
+            attention_backend=run.executor.attention_backend,
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            scheduling_policy=s.scheduling_policy,
+            enable_chunked_prefill=s.enable_chunked_prefill,
+            block_size=c.block_size,
+            num_kv_blocks=c.num_kv_blocks,
+            kv_cache_memory_bytes=c.kv_cache_memory_bytes,
+            enable_prefix_caching=c.enable_prefix_caching,
+        )
+        self.engine = self.llm.engine
+        cfg = self.llm.model_config
+        self.model_id = m.model
+        self.label = " ".join(["ours", m.model, *([q.quantization] if q.quantization else [])])
+        self.vocab_size = cfg.vocab_size
+        tokenizer = self.llm.tokenizer
+        special = set(cfg.eos_token_ids)
+        if tokenizer is not None:
+            special |= set(tokenizer.all_special_ids)
+        self.special_ids = tuple(sorted(special))
+        self.run_config = run
+
+    def run(
+        self, requests: list[BenchRequest], max_concurrency: int | None, progress: bool
+    ) -> BenchmarkResult:
+        w = self.run_config.workload
+        return run_benchmark(
+            self.engine,
+            requests,
+            max_concurrency=max_concurrency,
+            request_rate=w.request_rate,
+            burstiness=w.burstiness,
+            seed=w.seed,
+            progress=progress,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+
+class HFBackend:
+    """HF transformers ``generate`` (greedy, fp32) in static batches of ``max_concurrency``."""
+
+    def __init__(self, run: RunConfig):
+        from research.bench.hf_peer import load_hf_model
+
+        self.model, self.tokenizer = load_hf_model(run.model.model)
+        self.model_id = run.model.model
+        self.label = f"hf-transformers {run.model.model}"
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.special_ids = tuple(sorted(self.tokenizer.all_special_ids)) if self.tokenizer else ()
+
+    def run(
+        self, requests: list[BenchRequest], max_concurrency: int | None, progress: bool
+    ) -> BenchmarkResult:
+        from research.bench.hf_peer import run_hf_benchmark
+
+        return run_hf_benchmark(
+            self.model,
+            self.tokenizer,
+            requests,
+            max_concurrency=max_concurrency or len(requests),
+            progress=progress,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+def make_backend(run: RunConfig) -> Backend:
+    kind = run.executor.kind
+    if kind == "real":
+        return EngineBackend(run)
+    if kind == "hf":
+        if run.quantization.quantization or run.quantization.kv_cache_dtype != "auto":
+            raise ValueError("the hf peer runs the unquantized model; use quantization=none")
+        return HFBackend(run)
+    raise ValueError(f"executor kind {kind!r} is not available in this sweep")
+
+
+def _slos(run: RunConfig) -> dict[str, float] | None:
+    e = run.experiment
+    slos = {"ttft": e.slo_ttft_ms, "tpot": e.slo_tpot_ms, "e2el": e.slo_e2el_ms}
+    slos = {k: v for k, v in slos.items() if v is not None}
+    return slos or None
+
+
+def _requests(run: RunConfig, backend: Backend, n: int, seed: int) -> list[BenchRequest]:
+    w = run.workload
+    return random_requests(
+        n,
+        w.input_len,
+        w.output_len,
+        w.range_ratio,
+        vocab_size=backend.vocab_size,
+        seed=seed,
+        special_ids=backend.special_ids,
+    )
+
+
+def _delta(after: dict[str, Any], before: dict[str, Any], key: str) -> float:
+    return float(after.get(key, 0.0)) - float(before.get(key, 0.0))
+
+
+def run_point(
+    run: RunConfig, backend: Backend, concurrency: int, progress: bool = True
+) -> dict[str, Any]:
+    """Warm up, then benchmark ``prompts_per_concurrency * concurrency`` requests."""
+    w, e = run.workload, run.experiment
+    # The same seed gives the same prompts to every backend at a given concurrency.
+    seed = w.seed * 1_000_003 + concurrency
+    if e.warmup:
+        backend.run(_requests(run, backend, concurrency, seed + 7), concurrency, False)
+    requests = _requests(run, backend, e.prompts_per_concurrency * concurrency, seed)
+    before = backend.stats()
+    result = backend.run(requests, concurrency, progress)
+    after = backend.stats()
+    steps = _delta(after, before, "num_steps")
+    step_time = _delta(after, before, "step_time_s")
+    extra: dict[str, Any] = {
+        "label": backend.label,
+        "quantization": run.quantization.quantization or "none",
+        "kv_cache_dtype": run.quantization.kv_cache_dtype,
+        "dtype": run.model.dtype,
+        "hardware": run.hardware.name,
+        "executor": run.executor.kind,
+        "attention_backend": run.executor.attention_backend,
+        "scheduling_policy": run.scheduler.scheduling_policy,
+        "block_size": run.cache.block_size,
+        "max_num_seqs": run.scheduler.max_num_seqs,
+        "input_len": w.input_len,
+        "output_len": w.output_len,
+        "range_ratio": w.range_ratio,
+        "experiment": e.name,
+    }
+    if steps:
+        extra |= {
+            "num_steps": int(steps),
+            "mean_step_ms": 1000 * step_time / steps,
+            "host_overhead_fraction": _delta(after, before, "host_time_s") / step_time,
+            "new_compilations": int(_delta(after, before, "num_compilations")),
+        }
+    return result_point(result, model_id=backend.model_id, extra=extra, goodput_slos=_slos(run))
+
+
+def run_experiment(run: RunConfig, out_dir: str | Path, progress: bool = True) -> list[dict]:
+    """The whole sweep: results.jsonl, plots and the W&B run land in ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = out_dir / "results.jsonl"
+    config = dataclasses.asdict(run)
+    (out_dir / "run_config.json").write_text(json.dumps(config, indent=2, default=str))
+    t0 = time.perf_counter()
+    backend = make_backend(run)
+    print(f"[{run.experiment.name}] {backend.label}: loaded in {time.perf_counter() - t0:.1f} s")
+    tracker = Tracker(
+        out_dir,
+        config,
+        mode=run.tracking.wandb_mode,
+        project=run.tracking.project,
+        name=f"{run.experiment.name}-{backend.label.replace(' ', '-')}",
+    )
+    points = []
+    try:
+        for c in run.experiment.concurrencies:
+            t = time.perf_counter()
+            point = run_point(run, backend, c, progress)
+            append_result(results, point)
+            tracker.log_point(point)
+            points.append(point)
+            print(
+                f"  concurrency {c:>4}: {point['output_throughput']:8.1f} output tok/s, "
+                f"{_fmt(point.get('per_user_tok_s'))} tok/s per user, median TTFT "
+                f"{point['median_ttft_ms']:.0f} ms ({time.perf_counter() - t:.0f} s)"
+            )
+        print()
+        print(format_table(points, TABLE_COLUMNS))
+        if run.tracking.plots:
+            from research.bench.plots import plot_all
+
+            paths = plot_all(points, out_dir)
+            tracker.log_plots(paths)
+            print("plots:", ", ".join(str(p) for p in paths))
+    finally:
+        tracker.finish()
+    print(f"results: {results}")
+    if tracker.run_dir is not None:
+        print(f"W&B ({run.tracking.wandb_mode}) run: {tracker.run_dir}")
+    return points
+
+
+def _fmt(x: float | None) -> str:
+    return "   -" if x is None or not math.isfinite(x) else f"{x:6.1f}"

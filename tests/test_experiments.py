@@ -1,0 +1,101 @@
+"""The experiments app: Hydra composition against the RunConfig schema, and a whole sweep on
+a tiny model leaving results.jsonl, plots and an offline W&B run in its directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ValidationError
+
+from research.bench import read_results
+from research.config import RunConfig, register_configs, run_config_from
+
+CONFIGS = str(Path(__file__).resolve().parents[1] / "configs")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _compose(overrides: list[str]) -> RunConfig:
+    register_configs()
+    with initialize_config_dir(config_dir=CONFIGS, version_base=None):
+        return run_config_from(compose(config_name="config", overrides=overrides))
+
+
+def test_defaults_compose_to_the_dataclass_defaults_of_the_main_job():
+    run = _compose([])
+    assert run.model.model == "smollm2-135m"
+    assert run.experiment.concurrencies == (1, 4, 16, 64)
+    assert run.experiment.prompts_per_concurrency == 3
+    assert run.tracking.wandb_mode == "offline"
+    assert run.scheduler.scheduling_policy == "continuous"
+    assert run.cache.block_size == 16
+
+
+def test_groups_and_overrides_select_values():
+    run = _compose(
+        ["quantization=awq_kv_fp8", "scheduler=static", "cache.block_size=32", "workload=spark"]
+    )
+    assert (run.quantization.quantization, run.quantization.kv_cache_dtype) == ("awq", "fp8")
+    assert run.scheduler.scheduling_policy == "static"
+    assert run.cache.block_size == 32
+    assert (run.workload.input_len, run.workload.output_len) == (512, 256)
+
+
+@pytest.mark.parametrize(
+    "override, error",
+    [
+        ("cache.block_size=sixteen", (ValidationError, ConfigCompositionException)),
+        ("+cache.bogus=1", (ConfigCompositionException, ValidationError, ValueError)),
+    ],
+)
+def test_schema_rejects_wrong_types_and_unknown_keys(override, error):
+    with pytest.raises(error):
+        _compose([override])
+
+
+def test_dataclass_validation_runs_on_composed_values():
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        _compose(["quantization.quantization=int3"])
+    with pytest.raises(ValueError, match="range_ratio"):
+        _compose(["workload.range_ratio=1.5"])
+
+
+def test_sweep_writes_results_plots_and_offline_wandb(tmp_path):
+    """The CLI end to end on tiny-llama: the same code path as the README's main job."""
+    out = tmp_path / "run"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "WANDB_SILENT": "true"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.run",
+        "model=tiny_llama",
+        "experiment.concurrencies=[1,4]",
+        "experiment.prompts_per_concurrency=2",
+        "workload.input_len=16",
+        "workload.output_len=8",
+        "workload.range_ratio=0.5",
+        f"output_dir={out}",
+        f"hydra.run.dir={tmp_path / 'hydra'}",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    points = read_results(out / "results.jsonl")
+    assert [p["max_concurrency"] for p in points] == [1, 4]
+    for p, c in zip(points, (1, 4), strict=True):
+        assert p["completed"] == 2 * c and p["failed"] == 0
+        assert p["output_throughput"] > 0 and p["per_user_tok_s"] > 0
+        assert p["executor"] == "real" and p["model"] == "tiny-llama"
+        assert 0.0 <= p["host_overhead_fraction"] < 1.0
+    for name in ("concurrency_curves.png", "ttft.png"):
+        assert (out / name).stat().st_size > 10_000
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb")), "no offline W&B run file"
+    config = json.loads((out / "run_config.json").read_text())
+    assert config["model"]["model"] == "tiny-llama"
+    assert "| ours tiny-llama | 4 |" in proc.stdout
