@@ -314,6 +314,12 @@ def _validate(
 _STATIC = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "interpret")
 
 
+def fitting_block_k(k: int, largest: int = 128) -> int:
+    """The largest power-of-two block_k <= ``largest`` that divides K (at least MIN_BLOCK), e.g.
+    64 for SmolLM2's hidden width 576."""
+    return max(MIN_BLOCK, min(largest, k & -k))
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def grouped_experts(
     lhs: jax.Array,
@@ -431,11 +437,11 @@ def _time(fn, *args, iters: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Benchmark Qwen3-30B-A3B expert GEMMs (gate/up [E, 2048, 768], down [E, 768, 2048])."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=20, help="timed calls per case (GPU)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = jax.devices()[0]
     on_cpu = device.platform == "cpu"
     if on_cpu:
