@@ -1,5 +1,5 @@
 # Two commands on a fresh machine:
-#   make run    load SmolLM2-135M on CPU (bundled weights) and answer a chat prompt
+#   make run    the main job: a concurrency sweep of SmolLM2-135M on CPU (bundled weights)
 #   make test   lint (ruff) and run the whole test suite
 # Both create and reuse a virtual environment in .venv.
 
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) -m research.main
+	JAX_PLATFORMS=cpu $(PY) -m experiments.run
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

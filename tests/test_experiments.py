@@ -99,3 +99,31 @@ def test_sweep_writes_results_plots_and_offline_wandb(tmp_path):
     config = json.loads((out / "run_config.json").read_text())
     assert config["model"]["model"] == "tiny-llama"
     assert "| ours tiny-llama | 4 |" in proc.stdout
+
+
+def test_compare_plots_several_result_files(tmp_path, capsys):
+    from experiments.compare import main as compare
+
+    for name, scale in (("a", 1.0), ("b", 2.0)):
+        lines = [
+            json.dumps({"max_concurrency": c, "output_throughput": scale * c, "median_tpot_ms": 10})
+            for c in (1, 2, 4)
+        ]
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    paths = compare(
+        [
+            str(tmp_path / "a.jsonl"),
+            str(tmp_path / "b.jsonl"),
+            "--labels",
+            "block16",
+            "block32",
+            "--metrics",
+            "output_throughput",
+            "--out",
+            str(tmp_path / "cmp"),
+        ]
+    )
+    assert [p.name for p in paths] == ["output_throughput.png"]
+    assert paths[0].stat().st_size > 5_000
+    out = capsys.readouterr().out
+    assert "| block32 | 4 | 8.00 |" in out.replace("8.0 |", "8.00 |")
