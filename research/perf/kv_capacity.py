@@ -1,0 +1,460 @@
+"""How many KV-cache tokens fit on a machine: weights as stored, KV bytes per token, vLLM's formula.
+
+vLLM sizes its paged KV pool once, at startup (REFERENCE.md section 5)::
+
+    available  = total_device_memory * gpu_memory_utilization - (weights + peak activations + other)
+    num_blocks = floor(available / (block_size * kv_bytes_per_token))
+    tokens     = num_blocks * block_size
+
+``total_device_memory`` is what CUDA reports (``Hardware.cuda_visible_bytes``). Weights are the
+stored parameter bytes (``weight_bytes``: packed 4-bit codes, scales and zero points included);
+peak activations and "other" are what vLLM measures in a profile run, estimated here by
+``estimate_activation_bytes`` (an estimate, not a measurement: override it with
+``activation_bytes=`` when a real vLLM log gives the number).
+
+Everything here is arithmetic on shapes: no parameter is allocated and JAX is not imported, so the
+cost model and the simulated executor can size a 70B model on a laptop. ``param_shapes`` mirrors
+``research.models.transformer.param_shapes`` (which lives in a JAX module); a test checks they agree
+for every preset, and the storage layouts mirror ``research.quant`` (checked against the real
+quantizer on tiny models).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from research.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES, ModelConfig
+from research.perf.hardware import GiB, Hardware, get_hardware
+
+# Storage layout of research.quant.qtensor / research.quant.params, mirrored without JAX.
+QUANTIZED_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+QUANT_GROUP_SIZES = {"awq": 128, "nvfp4": 16, "mxfp4": 32}  # fp8 scales whole columns
+AWQ_GROUP_CANDIDATES = (128, 64, 32)  # research.quant.params.awq_group_size: first that divides I
+AWQ_PACK = 8  # int4 values per int32 word (along the output axis)
+
+DTYPE_BYTES = {
+    "float32": 4,
+    "fp32": 4,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+}
+
+# vLLM's batch defaults for `vllm serve` (UsageContext.OPENAI_API_SERVER) in
+# vllm/engine/arg_utils.py EngineArgs.get_batch_defaults: GPUs reporting >= 70 GiB (A100 excluded)
+# get max_num_batched_tokens 8192 and max_num_seqs 1024, others 2048 and 256. The profile run that
+# measures peak activations runs a batch of max_num_batched_tokens tokens and samples max_num_seqs
+# rows, so these set the activation estimate when the caller does not.
+VLLM_LARGE_GPU_BYTES = 70 * GiB
+VLLM_BATCH_DEFAULTS_LARGE = (8192, 1024)
+VLLM_BATCH_DEFAULTS_SMALL = (2048, 256)
+
+# "Other" in vLLM's formula: memory outside PyTorch's activation peak that the profile run sees
+# grow (cuBLAS / NCCL workspaces, allocator slack). An estimate, not a measurement. CUDA graphs
+# are captured after the KV pool is allocated in the vLLM versions we know of, out of the
+# (1 - gpu_memory_utilization) headroom, so they are not charged here.
+DEFAULT_OTHER_BYTES = 1 * GiB
+# float32 [max_num_seqs, vocab] buffers alive at the sampler's peak in the profile run (the logits
+# and one derived copy: probabilities or log-probabilities).
+SAMPLER_LOGIT_COPIES = 2
+
+
+def resolve_model(model: str | ModelConfig) -> ModelConfig:
+    """A preset name or a ``ModelConfig`` -> the ``ModelConfig``."""
+    if isinstance(model, ModelConfig):
+        return model
+    from research.models.presets import get_preset
+
+    return get_preset(model)
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of ``dtype``: a name ("bfloat16", "float32", "bf16", ...) or anything
+    numpy understands as a dtype (``jnp.bfloat16``, ``np.float32``)."""
+    if isinstance(dtype, str):
+        try:
+            return DTYPE_BYTES[dtype.lower()]
+        except KeyError:
+            raise ValueError(
+                f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}"
+            ) from None
+    itemsize = getattr(dtype, "itemsize", None)
+    if itemsize is None:
+        import numpy as np
+
+        try:
+            itemsize = np.dtype(dtype).itemsize
+        except TypeError:
+            raise ValueError(f"cannot tell the element size of dtype {dtype!r}") from None
+    return int(itemsize)
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    """Shapes of every parameter, as ``research.models.transformer.param_shapes`` gives them
+    (matrices [in, out], stacked experts [X, in, out]); mirrored here to stay free of JAX."""
+    d, e = cfg.hidden_size, cfg.head_dim
+    layer: dict[str, tuple[int, ...]] = {
+        "attn_norm": (d,),
+        "mlp_norm": (d,),
+        "wq": (d, cfg.num_heads * e),
+        "wk": (d, cfg.num_kv_heads * e),
+        "wv": (d, cfg.num_kv_heads * e),
+        "wo": (cfg.num_heads * e, d),
+    }
+    if cfg.qk_norm:
+        layer |= {"q_norm": (e,), "k_norm": (e,)}
+    if cfg.is_moe:
+        x, f = cfg.num_experts, cfg.moe_intermediate_size
+        layer |= {"router": (d, x), "w_gate": (x, d, f), "w_up": (x, d, f), "w_down": (x, f, d)}
+    else:
+        f = cfg.intermediate_size
+        layer |= {"w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
+    shapes: dict[str, Any] = {
+        "embed": (cfg.vocab_size, d),
+        "layers": [dict(layer) for _ in range(cfg.num_layers)],
+        "final_norm": (d,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (d, cfg.vocab_size)
+    return shapes
+
+
+def awq_group_size(d_in: int) -> int:
+    """AWQ's input channels per scale for a weight with ``d_in`` inputs: 128, or the largest of
+    64, 32 that divides ``d_in`` (``research.quant.params.awq_group_size``)."""
+    for group in AWQ_GROUP_CANDIDATES:
+        if d_in % group == 0:
+            return group
+    raise ValueError(
+        f"awq: input width {d_in} is not a multiple of any supported group size "
+        f"{AWQ_GROUP_CANDIDATES}"
+    )
+
+
+def quantized_bytes(shape: tuple[int, ...], fmt: str) -> int:
+    """Stored bytes of a weight of ``shape`` [..., I, O] quantized to ``fmt`` (one quantized
+    matrix per leading index, e.g. per expert), as ``research.quant.QTensor.nbytes`` counts them:
+
+    - awq:   I*O/2 (int4 codes, 8 per int32) + (I/G)*O*2 (fp16 scales) + (I/G)*O/2 (int4 zeros),
+             G = ``awq_group_size(I)``;
+    - nvfp4: I*O/2 (E2M1 codes) + (I/16)*O (E4M3 block scales) + 4 (fp32 tensor scale);
+    - mxfp4: I*O/2 (E2M1 codes) + (I/32)*O (E8M0 block scales);
+    - fp8:   I*O (E4M3) + 4*O (fp32 scale per output column).
+    """
+    if len(shape) not in (2, 3):
+        raise ValueError(f"{fmt} quantizes [in, out] or [X, in, out] weights; got shape {shape}")
+    lead = math.prod(shape[:-2])
+    d_in, d_out = shape[-2:]
+    if fmt == "fp8":
+        return lead * (d_in * d_out + 4 * d_out)
+    if fmt not in QUANT_GROUP_SIZES:
+        raise ValueError(
+            f"unknown quantization format {fmt!r}; expected one of {QUANTIZATION_CHOICES[1:]}"
+        )
+    group = awq_group_size(d_in) if fmt == "awq" else QUANT_GROUP_SIZES[fmt]
+    if d_in % group:
+        raise ValueError(
+            f"{fmt} groups {group} input channels per scale; input dim {d_in} of shape {shape} "
+            f"is not a multiple of {group}"
+        )
+    groups = d_in // group
+    codes = d_in * d_out // 2
+    if fmt == "awq":
+        if d_out % AWQ_PACK:
+            raise ValueError(
+                f"awq packs {AWQ_PACK} output columns per int32; output dim {d_out} of shape "
+                f"{shape} is not a multiple of {AWQ_PACK}"
+            )
+        return lead * (codes + groups * d_out * 2 + groups * d_out // 2)
+    if fmt == "nvfp4":
+        return lead * (codes + groups * d_out + 4)
+    return lead * (codes + groups * d_out)  # mxfp4
+
+
+def weight_bytes(
+    model: str | ModelConfig, quantization: str | None = None, dtype: Any = "bfloat16"
+) -> int:
+    """Bytes of every parameter as stored, from the shapes alone (nothing is allocated).
+
+    With ``quantization`` (awq | nvfp4 | mxfp4 | fp8) every layer's linear weights
+    (``QUANTIZED_KEYS``: q/k/v/o and the MLP's or the stacked experts' gate/up/down) are counted
+    in that format's storage (``quantized_bytes``); the embedding, lm_head, norms and MoE router
+    stay in ``dtype``, as ``research.quant.quantize_params`` leaves them. Equals
+    ``research.quant.weight_bytes(quantize_params(init_params(cfg, key, dtype), quantization))``.
+    """
+    cfg = resolve_model(model)
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(
+            f"quantization must be one of {QUANTIZATION_CHOICES}, got {quantization!r}"
+        )
+    elem = dtype_bytes(dtype)
+    shapes = param_shapes(cfg)
+    total = sum(math.prod(s) * elem for key, s in shapes.items() if key != "layers")
+    for layer in shapes["layers"]:
+        for key, shape in layer.items():
+            if quantization is not None and key in QUANTIZED_KEYS:
+                total += quantized_bytes(shape, quantization)
+            else:
+                total += math.prod(shape) * elem
+    return total
+
+
+def kv_bytes_per_token(
+    model: str | ModelConfig, kv_cache_dtype: str = "auto", dtype: Any = "bfloat16"
+) -> int:
+    """K and V bytes one token takes across all layers in our paged pool
+    (``research.engine.kv_cache.kv_pool_bytes_per_block(cfg, block_size, dtype, kv) / block_size``):
+
+        2 * layers * kv_heads * bytes_per_head, with bytes_per_head =
+          auto: head_dim * dtype bytes      (K/V stored in the model dtype)
+          fp8:  head_dim * 1 + 4            (E4M3 codes + one fp32 scale per token and kv head)
+          int4: head_dim / 2 + 4            (packed int4 codes + one fp32 scale per token and head)
+
+    vLLM's fp8 KV cache uses per-tensor (per-layer) k/v scales, so it stores head_dim bytes per
+    head and no per-token scale: ours is 4 / head_dim larger (3% at head_dim 128). We follow our
+    pool, since that is what the engine allocates.
+
+    Every layer is counted: our pool gives gpt-oss's sliding-window layers full-length pages too.
+    vLLM's hybrid allocator frees sliding-window blocks that fall out of the window, so for long
+    sequences its per-token cost approaches the full-attention layers' share (REFERENCE's 36,864
+    bytes for gpt-oss-120b is that share).
+    """
+    cfg = resolve_model(model)
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    e = cfg.head_dim
+    if kv_cache_dtype == "auto":
+        per_head = e * dtype_bytes(dtype)
+    elif kv_cache_dtype == "fp8":
+        per_head = e + 4
+    else:
+        if e % 2:
+            raise ValueError(f"int4 KV packs two elements per byte; head_dim {e} is odd")
+        per_head = e // 2 + 4
+    return 2 * cfg.num_layers * cfg.num_kv_heads * per_head
+
+
+def vllm_batch_defaults(hardware: str | Hardware) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) that ``vllm serve`` picks on ``hardware`` when not
+    told: (8192, 1024) on GPUs reporting >= 70 GiB, (2048, 256) otherwise (vLLM's
+    ``EngineArgs.get_batch_defaults``; its A100 exception does not concern our machines)."""
+    hw = get_hardware(hardware)
+    if hw.cuda_visible_bytes >= VLLM_LARGE_GPU_BYTES:
+        return VLLM_BATCH_DEFAULTS_LARGE
+    return VLLM_BATCH_DEFAULTS_SMALL
+
+
+def activation_elements_per_token(model: str | ModelConfig) -> int:
+    """Activation elements one token holds at the peak of a layer in a prefill batch (estimate):
+    residual + normed input (2D), fused q/k/v ((H + 2K) * E), attention output (H * E), and the
+    MLP: dense gate/up output and activation (3F), or MoE router logits (X) plus the fused-MoE
+    intermediate buffers per routed copy (top_k * (2F + F + D))."""
+    cfg = resolve_model(model)
+    d, e = cfg.hidden_size, cfg.head_dim
+    attention = 2 * d + (cfg.num_heads + 2 * cfg.num_kv_heads) * e + cfg.num_heads * e
+    if cfg.is_moe:
+        f = cfg.moe_intermediate_size
+        mlp = cfg.num_experts + cfg.num_experts_per_tok * (3 * f + d)
+    else:
+        mlp = 3 * cfg.intermediate_size
+    return attention + mlp
+
+
+def estimate_activation_bytes(
+    model: str | ModelConfig,
+    *,
+    max_num_batched_tokens: int = VLLM_BATCH_DEFAULTS_SMALL[0],
+    max_num_seqs: int = VLLM_BATCH_DEFAULTS_SMALL[1],
+    dtype: Any = "bfloat16",
+    other_bytes: int = DEFAULT_OTHER_BYTES,
+) -> int:
+    """An estimate of "peak activations + other" in vLLM's formula, i.e. what its profile run
+    (one forward of ``max_num_batched_tokens`` tokens, then sampling ``max_num_seqs`` rows) adds
+    on top of the weights:
+
+        max_num_batched_tokens * activation_elements_per_token(model) * dtype bytes
+        + SAMPLER_LOGIT_COPIES * max_num_seqs * vocab * 4     (float32 logits in the sampler)
+        + other_bytes                                          (workspaces etc., DEFAULT 1 GiB)
+
+    It is a model of the measurement, not the measurement: pass the number from a vLLM log
+    ("model weights take ... ; non_torch_memory ... ; PyTorch activation peak memory ...") as
+    ``activation_bytes`` to ``kv_capacity`` when one is at hand.
+    """
+    cfg = resolve_model(model)
+    if max_num_batched_tokens < 1 or max_num_seqs < 1:
+        raise ValueError(
+            f"max_num_batched_tokens ({max_num_batched_tokens}) and max_num_seqs "
+            f"({max_num_seqs}) must be >= 1"
+        )
+    if other_bytes < 0:
+        raise ValueError(f"other_bytes must be >= 0, got {other_bytes}")
+    forward = max_num_batched_tokens * activation_elements_per_token(cfg) * dtype_bytes(dtype)
+    sampler = SAMPLER_LOGIT_COPIES * min(max_num_seqs, max_num_batched_tokens) * cfg.vocab_size * 4
+    return forward + sampler + other_bytes
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    """vLLM's KV-pool sizing on one machine, every term of the formula kept."""
+
+    model: str
+    quantization: str | None
+    hardware: str
+    kv_cache_dtype: str
+    block_size: int
+    gpu_memory_utilization: float
+    total_bytes: int  # cuda_visible_bytes
+    budget_bytes: float  # total_bytes * gpu_memory_utilization
+    weight_bytes: int
+    activation_bytes: int  # peak activations + other (an estimate unless given)
+    available_bytes: float  # budget - weights - activations: the KV pool
+    kv_bytes_per_token: int
+    block_bytes: int  # block_size * kv_bytes_per_token
+    num_blocks: int
+    num_tokens: int  # num_blocks * block_size
+
+    def max_sequences(self, tokens_per_sequence: int) -> int:
+        """How many sequences of ``tokens_per_sequence`` tokens (prompt + output) hold their
+        whole KV at once: each needs ceil(tokens / block_size) blocks."""
+        if tokens_per_sequence < 1:
+            raise ValueError(f"tokens_per_sequence must be >= 1, got {tokens_per_sequence}")
+        return self.num_blocks // math.ceil(tokens_per_sequence / self.block_size)
+
+
+def kv_capacity(
+    model: str | ModelConfig = "qwen3-coder-30b-a3b",
+    quantization: str | None = "awq",
+    hardware: str | Hardware = "gb10",
+    gpu_memory_utilization: float = 0.85,
+    block_size: int = 16,
+    kv_cache_dtype: str = "auto",
+    dtype: Any = "bfloat16",
+    activation_bytes: int | None = None,
+    *,
+    max_num_batched_tokens: int | None = None,
+    max_num_seqs: int | None = None,
+) -> KVCapacity:
+    """Size the KV pool as vLLM does (REFERENCE.md section 5):
+
+        available  = cuda_visible_bytes * gpu_memory_utilization - (weights + activation_bytes)
+        num_blocks = floor(available / (block_size * kv_bytes_per_token))
+        tokens     = num_blocks * block_size
+
+    ``activation_bytes`` (peak activations + other) defaults to ``estimate_activation_bytes`` with
+    ``vllm serve``'s batch defaults for the machine (``vllm_batch_defaults``) unless
+    ``max_num_batched_tokens`` / ``max_num_seqs`` are given. A ValueError gives the numbers when
+    the weights and activations do not fit in the budget or not even one block is left.
+    """
+    cfg = resolve_model(model)
+    hw = get_hardware(hardware)
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    weights = weight_bytes(cfg, quantization, dtype)
+    per_token = kv_bytes_per_token(cfg, kv_cache_dtype, dtype)
+    if activation_bytes is None:
+        default_tokens, default_seqs = vllm_batch_defaults(hw)
+        activation_bytes = estimate_activation_bytes(
+            cfg,
+            max_num_batched_tokens=(
+                default_tokens if max_num_batched_tokens is None else max_num_batched_tokens
+            ),
+            max_num_seqs=default_seqs if max_num_seqs is None else max_num_seqs,
+            dtype=dtype,
+        )
+    elif max_num_batched_tokens is not None or max_num_seqs is not None:
+        raise ValueError(
+            "max_num_batched_tokens / max_num_seqs only shape the activation estimate; "
+            "they cannot be combined with an explicit activation_bytes"
+        )
+    elif activation_bytes < 0:
+        raise ValueError(f"activation_bytes must be >= 0, got {activation_bytes}")
+    budget = hw.cuda_visible_bytes * gpu_memory_utilization
+    available = budget - (weights + activation_bytes)
+    what = f"{cfg.name} ({quantization or dtype} weights) on {hw.name}"
+    if available <= 0:
+        raise ValueError(
+            f"{what}: weights {weights / GiB:.2f} GiB + activations/other "
+            f"{activation_bytes / GiB:.2f} GiB exceed the budget {budget / GiB:.2f} GiB "
+            f"({hw.cuda_visible_bytes / GiB:.2f} GiB * gpu_memory_utilization "
+            f"{gpu_memory_utilization}); nothing is left for the KV cache"
+        )
+    block_bytes = block_size * per_token
+    num_blocks = math.floor(available / block_bytes)
+    if num_blocks < 1:
+        raise ValueError(
+            f"{what}: {available / 2**20:.2f} MiB left after weights and activations is less "
+            f"than one KV block ({block_size} tokens * {per_token} bytes = {block_bytes} bytes)"
+        )
+    return KVCapacity(
+        model=cfg.name,
+        quantization=quantization,
+        hardware=hw.name,
+        kv_cache_dtype=kv_cache_dtype,
+        block_size=block_size,
+        gpu_memory_utilization=gpu_memory_utilization,
+        total_bytes=hw.cuda_visible_bytes,
+        budget_bytes=budget,
+        weight_bytes=weights,
+        activation_bytes=int(activation_bytes),
+        available_bytes=available,
+        kv_bytes_per_token=per_token,
+        block_bytes=block_bytes,
+        num_blocks=num_blocks,
+        num_tokens=num_blocks * block_size,
+    )
+
+
+def kv_capacity_blocks(
+    model: str | ModelConfig = "qwen3-coder-30b-a3b",
+    quantization: str | None = "awq",
+    hardware: str | Hardware = "gb10",
+    gpu_memory_utilization: float = 0.85,
+    block_size: int = 16,
+    kv_cache_dtype: str = "auto",
+    dtype: Any = "bfloat16",
+    activation_bytes: int | None = None,
+    **kwargs: Any,
+) -> int:
+    """``num_blocks`` of ``kv_capacity`` (same arguments)."""
+    return kv_capacity(
+        model,
+        quantization,
+        hardware,
+        gpu_memory_utilization,
+        block_size,
+        kv_cache_dtype,
+        dtype,
+        activation_bytes,
+        **kwargs,
+    ).num_blocks
+
+
+def kv_capacity_tokens(
+    model: str | ModelConfig = "qwen3-coder-30b-a3b",
+    quantization: str | None = "awq",
+    hardware: str | Hardware = "gb10",
+    gpu_memory_utilization: float = 0.85,
+    block_size: int = 16,
+    kv_cache_dtype: str = "auto",
+    dtype: Any = "bfloat16",
+    activation_bytes: int | None = None,
+    **kwargs: Any,
+) -> int:
+    """KV capacity in tokens, ``num_blocks * block_size`` of ``kv_capacity`` (same arguments)."""
+    return kv_capacity(
+        model,
+        quantization,
+        hardware,
+        gpu_memory_utilization,
+        block_size,
+        kv_cache_dtype,
+        dtype,
+        activation_bytes,
+        **kwargs,
+    ).num_tokens
