@@ -101,6 +101,20 @@ _copy_blocks = jax.jit(copy_blocks, donate_argnums=0)
 _fill_blocks = jax.jit(fill_blocks, donate_argnums=0, static_argnums=2)
 
 
+def context_bucket(n: int, minimum: int, maximum: int) -> int:
+    """Blocks per row: the smallest of minimum * {1, 2, 3, 4, 6, 8, 12, ...} (powers of two and
+    their 1.5x midpoints) >= n, capped at maximum. Attention reads every bucketed block, so
+    finer steps than powers of two cut up to half the context read for twice the shapes."""
+    if n <= minimum:
+        return min(minimum, maximum)
+    p = minimum
+    while True:  # (2p, 3p) for p = m, 2m, 4m, ...: 2m, 3m, 4m, 6m, 8m, 12m, ...
+        for size in (2 * p, 3 * p):
+            if size >= n:
+                return min(size, maximum)
+        p *= 2
+
+
 def bucket(n: int, minimum: int, maximum: int) -> int:
     """Smallest power of two >= n and >= minimum, capped at maximum (which may be any n)."""
     return min(max(minimum, 1 << max(0, n - 1).bit_length()), maximum)
@@ -204,7 +218,8 @@ class ModelExecutor:
         t = 1 if is_decode else bucket(longest, 16, n)
         # At least 128 tokens of context per row: fewer shapes to compile for short sequences.
         m_min = -(-128 // self.block_size)
-        m = bucket(max(len(item.seq.block_ids) for item in group), m_min, self.max_blocks_per_seq)
+        longest_table = max(len(item.seq.block_ids) for item in group)
+        m = context_bucket(longest_table, m_min, self.max_blocks_per_seq)
         pad_slot = self.num_blocks * self.block_size  # out of range: the scatter drops it
 
         tokens = np.zeros(n, np.int32)
