@@ -11,6 +11,7 @@ import pytest
 
 from research.config import ModelConfig
 from research.models.presets import PRESETS, get_preset
+from research.models.shapes import param_shapes
 from research.perf import (
     HARDWARE,
     Hardware,
@@ -25,7 +26,6 @@ from research.perf import (
     vllm_batch_defaults,
     weight_bytes,
 )
-from research.perf.kv_capacity import param_shapes
 
 GiB = 2**30
 
@@ -86,11 +86,15 @@ def test_register_hardware():
 # ------------------------------------------------------------------------------ weight bytes
 
 
-def test_param_shapes_mirror_the_model():
-    from research.models.transformer import param_shapes as model_param_shapes
+def test_param_shapes_are_what_init_params_allocates():
+    import jax
 
-    for cfg in PRESETS.values():
-        assert param_shapes(cfg) == model_param_shapes(cfg), cfg.name
+    from research.models.transformer import init_params
+
+    cfg = PRESETS["tiny-qwen3-moe"]
+    params = init_params(cfg, jax.random.key(0))
+    allocated = jax.tree.map(lambda a: a.shape, params)
+    assert allocated == param_shapes(cfg)
 
 
 def test_weight_bytes_by_hand_qwen3_awq():

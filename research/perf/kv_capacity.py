@@ -13,10 +13,9 @@ peak activations and "other" are what vLLM measures in a profile run, estimated 
 ``activation_bytes=`` when a real vLLM log gives the number).
 
 Everything here is arithmetic on shapes: no parameter is allocated and JAX is not imported, so the
-cost model and the simulated executor can size a 70B model on a laptop. ``param_shapes`` mirrors
-``research.models.transformer.param_shapes`` (which lives in a JAX module); a test checks they agree
-for every preset, and the storage layouts mirror ``research.quant`` (checked against the real
-quantizer on tiny models).
+cost model and the simulated executor can size a 70B model on a laptop. Shapes come from
+``research.models.shapes.param_shapes`` (the ones ``init_params`` allocates); the storage layouts
+mirror ``research.quant`` (checked against the real quantizer on tiny models).
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from research.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES, ModelConfig
+from research.models.shapes import param_shapes
 from research.perf.hardware import GiB, Hardware, get_hardware
 
 # Storage layout of research.quant.qtensor / research.quant.params, mirrored without JAX.
@@ -91,36 +91,6 @@ def dtype_bytes(dtype: Any) -> int:
         except TypeError:
             raise ValueError(f"cannot tell the element size of dtype {dtype!r}") from None
     return int(itemsize)
-
-
-def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
-    """Shapes of every parameter, as ``research.models.transformer.param_shapes`` gives them
-    (matrices [in, out], stacked experts [X, in, out]); mirrored here to stay free of JAX."""
-    d, e = cfg.hidden_size, cfg.head_dim
-    layer: dict[str, tuple[int, ...]] = {
-        "attn_norm": (d,),
-        "mlp_norm": (d,),
-        "wq": (d, cfg.num_heads * e),
-        "wk": (d, cfg.num_kv_heads * e),
-        "wv": (d, cfg.num_kv_heads * e),
-        "wo": (cfg.num_heads * e, d),
-    }
-    if cfg.qk_norm:
-        layer |= {"q_norm": (e,), "k_norm": (e,)}
-    if cfg.is_moe:
-        x, f = cfg.num_experts, cfg.moe_intermediate_size
-        layer |= {"router": (d, x), "w_gate": (x, d, f), "w_up": (x, d, f), "w_down": (x, f, d)}
-    else:
-        f = cfg.intermediate_size
-        layer |= {"w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
-    shapes: dict[str, Any] = {
-        "embed": (cfg.vocab_size, d),
-        "layers": [dict(layer) for _ in range(cfg.num_layers)],
-        "final_norm": (d,),
-    }
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (d, cfg.vocab_size)
-    return shapes
 
 
 def awq_group_size(d_in: int) -> int:
