@@ -179,7 +179,8 @@ def run_point(
     # The same seed gives the same prompts to every backend at a given concurrency.
     seed = w.seed * 1_000_003 + concurrency
     if e.warmup:
-        backend.run(_requests(run, backend, concurrency, seed + 7), concurrency, False)
+        n_warmup = e.warmup_prompts_per_concurrency * concurrency
+        backend.run(_requests(run, backend, n_warmup, seed + 7), concurrency, False)
     requests = _requests(run, backend, e.prompts_per_concurrency * concurrency, seed)
     before = backend.stats()
     result = backend.run(requests, concurrency, progress)

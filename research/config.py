@@ -239,12 +239,15 @@ class WorkloadConfig:
 class ExperimentConfig:
     """A sweep over concurrency inside one run (compiled functions are reused across points):
     ``prompts_per_concurrency`` requests per concurrency slot at each point, after an untimed
-    warmup pass of the same shapes. SLOs (ms, None = unbounded) define goodput."""
+    warmup pass of ``warmup_prompts_per_concurrency`` requests per slot with the same length
+    distribution (it compiles the step shapes; mixed lengths reach more shapes and want as many
+    warmup requests as timed ones). SLOs (ms, None = unbounded) define goodput."""
 
     name: str = "concurrency_sweep"
     concurrencies: tuple[int, ...] = (1, 4, 16, 64)
     prompts_per_concurrency: int = 3
     warmup: bool = True
+    warmup_prompts_per_concurrency: int = 1
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     slo_e2el_ms: float | None = None
@@ -252,8 +255,8 @@ class ExperimentConfig:
     def __post_init__(self) -> None:
         if not self.concurrencies or min(self.concurrencies) < 1:
             raise ValueError(f"concurrencies must be >= 1, got {self.concurrencies}")
-        if self.prompts_per_concurrency < 1:
-            raise ValueError("prompts_per_concurrency must be >= 1")
+        if self.prompts_per_concurrency < 1 or self.warmup_prompts_per_concurrency < 1:
+            raise ValueError("prompts_per_concurrency and its warmup count must be >= 1")
 
 
 @dataclass(frozen=True)
