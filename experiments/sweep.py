@@ -60,8 +60,17 @@ class EngineBackend:
         from research.llm import LLM
 
         m, q, s, c = run.model, run.quantization, run.scheduler, run.cache
+        self.simulated = run.executor.kind == "simulated"
+        sim = {}
+        if self.simulated:
+            sim = dict(
+                executor="simulated",
+                hardware=run.hardware.name,
+                gpu_memory_utilization=run.hardware.gpu_memory_utilization,
+            )
         self.llm = LLM(
             m.model,
+            **sim,
             dtype=m.dtype,
             max_model_len=m.max_model_len,
             seed=m.seed,
@@ -80,7 +89,8 @@ class EngineBackend:
         self.engine = self.llm.engine
         cfg = self.llm.model_config
         self.model_id = m.model
-        self.label = " ".join(["ours", m.model, *([q.quantization] if q.quantization else [])])
+        engine_name = f"simulated-{run.hardware.name}" if self.simulated else "ours"
+        self.label = " ".join([engine_name, m.model, *([q.quantization] if q.quantization else [])])
         self.vocab_size = cfg.vocab_size
         tokenizer = self.llm.tokenizer
         special = set(cfg.eos_token_ids)
@@ -101,6 +111,9 @@ class EngineBackend:
             burstiness=w.burstiness,
             seed=w.seed,
             progress=progress,
+            # A simulated executor's virtual clock stamps the engine; waiting advances it.
+            clock=self.engine.clock,
+            sleep=self.engine.executor.clock.sleep if self.simulated else time.sleep,
         )
 
     def stats(self) -> dict[str, Any]:
@@ -138,7 +151,9 @@ class HFBackend:
 
 def make_backend(run: RunConfig) -> Backend:
     kind = run.executor.kind
-    if kind == "real":
+    if kind in ("real", "simulated"):
+        if kind == "simulated" and run.hardware.name == "host":
+            raise ValueError("the simulated executor models a named machine: hardware=gb10|h200")
         return EngineBackend(run)
     if kind == "hf":
         if run.quantization.quantization or run.quantization.kv_cache_dtype != "auto":
@@ -203,7 +218,7 @@ def run_point(
         "range_ratio": w.range_ratio,
         "experiment": e.name,
     }
-    if steps:
+    if steps and run.executor.kind == "real":
         extra |= {
             "num_steps": int(steps),
             "mean_step_ms": 1000 * step_time / steps,
@@ -220,31 +235,38 @@ def run_experiment(run: RunConfig, out_dir: str | Path, progress: bool = True) -
     results = out_dir / "results.jsonl"
     config = dataclasses.asdict(run)
     (out_dir / "run_config.json").write_text(json.dumps(config, indent=2, default=str))
-    t0 = time.perf_counter()
-    backend = make_backend(run)
-    print(f"[{run.experiment.name}] {backend.label}: loaded in {time.perf_counter() - t0:.1f} s")
+    models = run.experiment.models or (run.model.model,)
     tracker = Tracker(
         out_dir,
         config,
         mode=run.tracking.wandb_mode,
         project=run.tracking.project,
-        name=f"{run.experiment.name}-{backend.label.replace(' ', '-')}",
+        name=f"{run.experiment.name}-{'-'.join(models)}",
     )
     points = []
     try:
-        for c in run.experiment.concurrencies:
-            t = time.perf_counter()
-            point = run_point(run, backend, c, progress)
-            append_result(results, point)
-            tracker.log_point(point)
-            points.append(point)
+        for model in models:
+            model_run = dataclasses.replace(run, model=dataclasses.replace(run.model, model=model))
+            t0 = time.perf_counter()
+            backend = make_backend(model_run)
             print(
-                f"  concurrency {c:>4}: {point['output_throughput']:8.1f} output tok/s, "
-                f"{_fmt(point.get('per_user_tok_s'))} tok/s per user, median TTFT "
-                f"{point['median_ttft_ms']:.0f} ms ({time.perf_counter() - t:.0f} s)"
+                f"[{run.experiment.name}] {backend.label}: loaded in {time.perf_counter() - t0:.1f} s"
             )
+            for c in run.experiment.concurrencies:
+                t = time.perf_counter()
+                point = run_point(model_run, backend, c, progress)
+                append_result(results, point)
+                tracker.log_point(point)
+                points.append(point)
+                print(
+                    f"  concurrency {c:>4}: {point['output_throughput']:8.1f} output tok/s, "
+                    f"{_fmt(point.get('per_user_tok_s'))} tok/s per user, median TTFT "
+                    f"{point['median_ttft_ms']:.0f} ms ({time.perf_counter() - t:.1f} s)"
+                )
+        table = format_table(points, TABLE_COLUMNS)
+        (out_dir / "table.md").write_text(table + "\n")
         print()
-        print(format_table(points, TABLE_COLUMNS))
+        print(table)
         if run.tracking.plots:
             from research.bench.plots import plot_all
 

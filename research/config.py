@@ -244,6 +244,7 @@ class ExperimentConfig:
     warmup requests as timed ones). SLOs (ms, None = unbounded) define goodput."""
 
     name: str = "concurrency_sweep"
+    models: tuple[str, ...] = ()  # several models in one run (default: the model group's)
     concurrencies: tuple[int, ...] = (1, 4, 16, 64)
     prompts_per_concurrency: int = 3
     warmup: bool = True

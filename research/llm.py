@@ -6,6 +6,7 @@ steps until all are done; outputs come back in prompt order.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +54,9 @@ class LLM:
         attention_backend: str = "xla",
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        executor: str = "real",
+        hardware: str | None = None,
+        gpu_memory_utilization: float = 0.9,
         poison_freed_blocks: bool = False,
     ):
         if dtype not in _DTYPES:
@@ -76,8 +80,35 @@ class LLM:
         if kv_cache_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_DTYPES}, got {kv_cache_dtype!r}")
         self.kv_cache_dtype = kv_cache_dtype
-        self.model_config, self.params, self.tokenizer = load_model(model, self.dtype, seed)
-        self.params = quantize_params(self.params, quantization)
+        if executor not in ("real", "simulated"):
+            raise ValueError(f"executor must be 'real' or 'simulated', got {executor!r}")
+        sim = None
+        if executor == "simulated":
+            # A cost model of `hardware` prices each step; no weights are loaded or allocated.
+            from research.models.presets import get_preset
+            from research.perf import kv_capacity_blocks
+            from research.perf.cost_model import CostModel
+            from research.perf.simulated import SimulatedExecutor
+
+            if hardware is None:
+                raise ValueError('executor="simulated" needs hardware= (e.g. "gb10" or "h200")')
+            self.model_config, self.params, self.tokenizer = get_preset(model), None, None
+            if num_kv_blocks is None:
+                num_kv_blocks = kv_capacity_blocks(
+                    self.model_config,
+                    quantization,
+                    hardware,
+                    gpu_memory_utilization,
+                    block_size,
+                    kv_cache_dtype=kv_cache_dtype,
+                    dtype=dtype,
+                )
+                cache_config = dataclasses.replace(cache_config, num_kv_blocks=num_kv_blocks)
+            cost = CostModel(self.model_config, quantization, hardware, kv_cache_dtype, dtype)
+            sim = SimulatedExecutor(cost)
+        else:
+            self.model_config, self.params, self.tokenizer = load_model(model, self.dtype, seed)
+            self.params = quantize_params(self.params, quantization)
         cfg = self.model_config
         self.max_model_len = cfg.max_position_embeddings if max_model_len is None else max_model_len
         if not 1 < self.max_model_len <= cfg.max_position_embeddings:
@@ -102,6 +133,7 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype,
             seed=seed,
             poison_freed_blocks=poison_freed_blocks,
+            **(dict(executor=sim, clock=sim.clock) if sim is not None else {}),
         )
 
     # ------------------------------------------------------------------ public API

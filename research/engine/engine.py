@@ -43,7 +43,11 @@ class Engine:
         seed: int = 0,
         poison_freed_blocks: bool = False,
         clock: Callable[[], float] = time.perf_counter,
+        executor: Any = None,
     ):
+        """``executor``: an object with ``ModelExecutor``'s ``execute`` / ``poison_blocks`` /
+        ``num_compilations`` (e.g. ``research.perf.simulated.SimulatedExecutor``) to use instead
+        of running ``params`` here; the pool size then comes from ``cache_config.num_kv_blocks``."""
         self.model_config = cfg
         self.tokenizer = tokenizer
         self.cache_config = cache_config or CacheConfig()
@@ -62,7 +66,7 @@ class Engine:
         self.poison_freed_blocks = poison_freed_blocks
         if poison_freed_blocks:
             self.block_manager.freed_blocks = []
-        self.executor = ModelExecutor(
+        self.executor = executor or ModelExecutor(
             cfg,
             params,
             self.cache_config,
