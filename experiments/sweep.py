@@ -67,29 +67,47 @@ class EngineBackend:
                 executor="simulated",
                 hardware=run.hardware.name,
                 gpu_memory_utilization=run.hardware.gpu_memory_utilization,
+                tensor_parallel_size=run.hardware.tensor_parallel_size,
             )
-        self.llm = LLM(
-            m.model,
-            **sim,
-            dtype=m.dtype,
-            max_model_len=m.max_model_len,
-            seed=m.seed,
-            quantization=q.quantization,
-            kv_cache_dtype=q.kv_cache_dtype,
-            attention_backend=run.executor.attention_backend,
-            max_num_seqs=s.max_num_seqs,
-            max_num_batched_tokens=s.max_num_batched_tokens,
-            scheduling_policy=s.scheduling_policy,
-            enable_chunked_prefill=s.enable_chunked_prefill,
-            block_size=c.block_size,
-            num_kv_blocks=c.num_kv_blocks,
-            kv_cache_memory_bytes=c.kv_cache_memory_bytes,
-            enable_prefix_caching=c.enable_prefix_caching,
-        )
+        elif run.hardware.tensor_parallel_size > 1 or run.hardware.num_replicas > 1:
+            raise ValueError("several boxes (TP or replicas) are modelled by executor=simulated")
+
+        def make_llm() -> LLM:
+            return LLM(
+                m.model,
+                **sim,
+                dtype=m.dtype,
+                max_model_len=m.max_model_len,
+                seed=m.seed,
+                quantization=q.quantization,
+                kv_cache_dtype=q.kv_cache_dtype,
+                attention_backend=run.executor.attention_backend,
+                max_num_seqs=s.max_num_seqs,
+                max_num_batched_tokens=s.max_num_batched_tokens,
+                scheduling_policy=s.scheduling_policy,
+                enable_chunked_prefill=s.enable_chunked_prefill,
+                block_size=c.block_size,
+                num_kv_blocks=c.num_kv_blocks,
+                kv_cache_memory_bytes=c.kv_cache_memory_bytes,
+                enable_prefix_caching=c.enable_prefix_caching,
+            )
+
+        self.llm = make_llm()
         self.engine = self.llm.engine
+        if self.simulated and run.hardware.num_replicas > 1:
+            from research.perf.simulated import ReplicaRouter
+
+            engines = [self.engine] + [
+                make_llm().engine for _ in range(run.hardware.num_replicas - 1)
+            ]
+            self.engine = ReplicaRouter(engines, seed=run.workload.seed)
         cfg = self.llm.model_config
         self.model_id = m.model
         engine_name = f"simulated-{run.hardware.name}" if self.simulated else "ours"
+        if run.hardware.tensor_parallel_size > 1:
+            engine_name += f"-tp{run.hardware.tensor_parallel_size}"
+        if run.hardware.num_replicas > 1:
+            engine_name += f"-x{run.hardware.num_replicas}"
         self.label = " ".join([engine_name, m.model, *([q.quantization] if q.quantization else [])])
         self.vocab_size = cfg.vocab_size
         tokenizer = self.llm.tokenizer
@@ -113,8 +131,16 @@ class EngineBackend:
             progress=progress,
             # A simulated executor's virtual clock stamps the engine; waiting advances it.
             clock=self.engine.clock,
-            sleep=self.engine.executor.clock.sleep if self.simulated else time.sleep,
+            sleep=self._sleep,
         )
+
+    def _sleep(self, seconds: float) -> None:
+        if not self.simulated:
+            time.sleep(seconds)
+        elif hasattr(self.engine, "sleep"):  # a router of replicas
+            self.engine.sleep(seconds)
+        else:
+            self.engine.executor.clock.sleep(seconds)
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()

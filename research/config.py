@@ -208,6 +208,12 @@ class HardwareConfig:
 
     name: str = "host"
     gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1  # simulated: boxes one model is split across (TP)
+    num_replicas: int = 1  # simulated: independent boxes behind a random router (DP)
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or self.num_replicas < 1:
+            raise ValueError("tensor_parallel_size and num_replicas must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ class LLM:
         executor: str = "real",
         hardware: str | None = None,
         gpu_memory_utilization: float = 0.9,
+        tensor_parallel_size: int = 1,
         poison_freed_blocks: bool = False,
     ):
         if dtype not in _DTYPES:
@@ -83,6 +84,8 @@ class LLM:
         if executor not in ("real", "simulated"):
             raise ValueError(f"executor must be 'real' or 'simulated', got {executor!r}")
         sim = None
+        if tensor_parallel_size != 1 and executor != "simulated":
+            raise ValueError("tensor_parallel_size > 1 is modelled by the simulated executor only")
         if executor == "simulated":
             # A cost model of `hardware` prices each step; no weights are loaded or allocated.
             from research.models.presets import get_preset
@@ -102,9 +105,17 @@ class LLM:
                     block_size,
                     kv_cache_dtype=kv_cache_dtype,
                     dtype=dtype,
+                    tensor_parallel_size=tensor_parallel_size,
                 )
                 cache_config = dataclasses.replace(cache_config, num_kv_blocks=num_kv_blocks)
-            cost = CostModel(self.model_config, quantization, hardware, kv_cache_dtype, dtype)
+            cost = CostModel(
+                self.model_config,
+                quantization,
+                hardware,
+                kv_cache_dtype,
+                dtype,
+                tensor_parallel_size=tensor_parallel_size,
+            )
             sim = SimulatedExecutor(cost)
         else:
             self.model_config, self.params, self.tokenizer = load_model(model, self.dtype, seed)

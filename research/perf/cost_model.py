@@ -208,6 +208,11 @@ def compute_dtype(
 # ---------------------------------------------------------------------------------- cost model
 
 
+# One all-reduce's fixed cost between two boxes (launch + RDMA round trip); an assumption, not
+# fitted (the calibration points are single-box).
+ALLREDUCE_LATENCY_S = 20e-6
+
+
 class CostModel:
     """Seconds per step of ``model`` at ``quantization`` on ``hardware`` (module docstring).
 
@@ -223,6 +228,8 @@ class CostModel:
         dtype: Any = "bfloat16",
         params: CostParams | None = None,
         moe_routing: str = "hot_set",
+        tensor_parallel_size: int = 1,
+        allreduce_latency_s: float = ALLREDUCE_LATENCY_S,
     ) -> None:
         if quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}")
@@ -235,6 +242,12 @@ class CostModel:
         self.dtype = dtype
         self.params = params if params is not None else params_for(self.hw)
         self.moe_routing = moe_routing
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        if tensor_parallel_size > 1 and not self.hw.interconnect_bandwidth:
+            raise ValueError(f"{self.hw.name} has no interconnect to a second box in its data")
+        self.tp = tensor_parallel_size
+        self.allreduce_latency_s = allreduce_latency_s
         self.compute_dtype, self.peak_flops = compute_dtype(quantization, self.hw, dtype)
         self.kv_bytes_per_token = kv_bytes_per_token(self.cfg, kv_cache_dtype, dtype)
 
@@ -284,8 +297,8 @@ class CostModel:
 
     def breakdown(self, shape: StepShape) -> dict[str, Any]:
         """Every term of the step's price: bytes by kind, FLOPs by kind, the two roofline times,
-        the overhead and the total (seconds). ``total_s == max(memory_time_s, compute_time_s) +
-        overhead_s``."""
+        the all-reduce time (tensor parallel), the overhead and the total (seconds):
+        ``total_s == max(memory_time_s, compute_time_s) + allreduce_s + overhead_s``."""
         cfg, p = self.cfg, self.params
         tokens = shape.num_tokens
         rows = shape.num_seqs
@@ -312,8 +325,17 @@ class CostModel:
         }
         flops_total = sum(f.values())
         bandwidth = p.bandwidth_efficiency * self.hw.achievable_bandwidth
-        memory_time = bytes_total / bandwidth
-        compute_time = flops_total / (p.compute_efficiency * self.peak_flops)
+        # Tensor parallel over tp boxes: each reads and computes 1/tp of everything (heads, MLP
+        # columns, experts and the vocabulary are split), then two all-reduces per layer (after
+        # the attention output and after the MLP) of tokens * hidden activations. A ring
+        # all-reduce sends 2 (tp - 1) / tp of the buffer per box; not overlapped with compute.
+        memory_time = bytes_total / bandwidth / self.tp
+        compute_time = flops_total / (p.compute_efficiency * self.peak_flops) / self.tp
+        comm_time = 0.0
+        if self.tp > 1:
+            buffer = tokens * cfg.hidden_size * dtype_bytes(self.dtype)
+            per_allreduce = 2 * (self.tp - 1) / self.tp * buffer / self.hw.interconnect_bandwidth
+            comm_time = 2 * cfg.num_layers * (per_allreduce + self.allreduce_latency_s)
         overhead = p.per_step_overhead_s + cfg.num_layers * p.per_layer_overhead_s
         return {
             **b,
@@ -325,8 +347,9 @@ class CostModel:
             "memory_time_s": memory_time,
             "compute_time_s": compute_time,
             "bound": "memory" if memory_time >= compute_time else "compute",
+            "allreduce_s": comm_time,
             "overhead_s": overhead,
-            "total_s": max(memory_time, compute_time) + overhead,
+            "total_s": max(memory_time, compute_time) + comm_time + overhead,
         }
 
     def step_time(self, shape: StepShape) -> float:

@@ -307,8 +307,9 @@ def kv_capacity(
     *,
     max_num_batched_tokens: int | None = None,
     max_num_seqs: int | None = None,
+    tensor_parallel_size: int = 1,
 ) -> KVCapacity:
-    """Size the KV pool as vLLM does (REFERENCE.md section 5):
+    """Size the KV pool as vLLM does (REFERENCE.md section 5), per device:
 
         available  = cuda_visible_bytes * gpu_memory_utilization - (weights + activation_bytes)
         num_blocks = floor(available / (block_size * kv_bytes_per_token))
@@ -318,24 +319,33 @@ def kv_capacity(
     ``vllm serve``'s batch defaults for the machine (``vllm_batch_defaults``) unless
     ``max_num_batched_tokens`` / ``max_num_seqs`` are given. A ValueError gives the numbers when
     the weights and activations do not fit in the budget or not even one block is left.
+
+    With ``tensor_parallel_size`` = N boxes, each holds 1/N of the weights and of every token's
+    KV (heads are split) and the activation estimate is split likewise (an approximation: the
+    embedding and norms are in fact replicated). Tokens are the pool of the whole group.
     """
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
     cfg = resolve_model(model)
     hw = get_hardware(hardware)
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    weights = weight_bytes(cfg, quantization, dtype)
-    per_token = kv_bytes_per_token(cfg, kv_cache_dtype, dtype)
+    weights = weight_bytes(cfg, quantization, dtype) / tensor_parallel_size
+    per_token = kv_bytes_per_token(cfg, kv_cache_dtype, dtype) / tensor_parallel_size
     if activation_bytes is None:
         default_tokens, default_seqs = vllm_batch_defaults(hw)
-        activation_bytes = estimate_activation_bytes(
-            cfg,
-            max_num_batched_tokens=(
-                default_tokens if max_num_batched_tokens is None else max_num_batched_tokens
-            ),
-            max_num_seqs=default_seqs if max_num_seqs is None else max_num_seqs,
-            dtype=dtype,
+        activation_bytes = (
+            estimate_activation_bytes(
+                cfg,
+                max_num_batched_tokens=(
+                    default_tokens if max_num_batched_tokens is None else max_num_batched_tokens
+                ),
+                max_num_seqs=default_seqs if max_num_seqs is None else max_num_seqs,
+                dtype=dtype,
+            )
+            // tensor_parallel_size
         )
     elif max_num_batched_tokens is not None or max_num_seqs is not None:
         raise ValueError(
@@ -370,11 +380,11 @@ def kv_capacity(
         gpu_memory_utilization=gpu_memory_utilization,
         total_bytes=hw.cuda_visible_bytes,
         budget_bytes=budget,
-        weight_bytes=weights,
+        weight_bytes=int(weights),
         activation_bytes=int(activation_bytes),
         available_bytes=available,
-        kv_bytes_per_token=per_token,
-        block_bytes=block_bytes,
+        kv_bytes_per_token=int(per_token),
+        block_bytes=int(block_bytes),
         num_blocks=num_blocks,
         num_tokens=num_blocks * block_size,
     )

@@ -60,3 +60,82 @@ class SimulatedExecutor:
 
     def poison_blocks(self, block_ids: list[int], value: float = float("nan")) -> None:
         del block_ids, value  # no memory to poison
+
+
+class ReplicaRouter:
+    """N independent simulated boxes behind a random router (data parallelism), as one engine
+    for the benchmark driver: ``add_request`` sends each request to a replica chosen uniformly
+    at random (seeded), ``step`` advances a discrete-event simulation.
+
+    Each replica has its own virtual clock. A step runs the busy replica whose clock is earliest
+    (its next step starts then); its outputs are held until the router's clock reaches their
+    timestamps, so the driver sees every finish in time order and refills a freed slot at the
+    right moment. An idle replica that receives a request first catches up to the present.
+    """
+
+    def __init__(self, engines: list[Any], seed: int = 0):
+        if not engines:
+            raise ValueError("a router needs at least one replica")
+        import random
+
+        self.engines = engines
+        self._rng = random.Random(seed)
+        self._now = 0.0
+        self._held: list[tuple[float, int, Any]] = []  # (time, tiebreak, RequestOutput) heap
+        self._count = 0
+
+    def clock(self) -> float:
+        return self._now
+
+    def sleep(self, seconds: float) -> None:
+        self._now += max(0.0, seconds)
+
+    def add_request(
+        self,
+        prompt_token_ids: Any,
+        sampling_params: Any = None,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        engine = self._rng.choice(self.engines)
+        clock = engine.executor.clock
+        clock.now = max(clock.now, self._now)
+        request_id = request_id or f"router-{self._count}"
+        self._count += 1
+        return engine.add_request(
+            prompt_token_ids,
+            sampling_params,
+            request_id=request_id,
+            prompt=prompt,
+            arrival_time=self._now if arrival_time is None else arrival_time,
+        )
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._held) or any(e.has_unfinished_requests() for e in self.engines)
+
+    def step(self) -> list[Any]:
+        import heapq
+
+        busy = [e for e in self.engines if e.has_unfinished_requests()]
+        next_start = min((e.executor.clock.now for e in busy), default=float("inf"))
+        if self._held and self._held[0][0] <= next_start:
+            # Every replica's next step starts after the earliest held output: release it.
+            self._now = max(self._now, self._held[0][0])
+        elif busy:
+            engine = min(busy, key=lambda e: e.executor.clock.now)
+            self._now = max(self._now, engine.executor.clock.now)
+            for out in engine.step():
+                stamp = out.metrics.token_times[-1] if out.metrics.token_times else self._now
+                heapq.heappush(self._held, (stamp, self._count, out))
+                self._count += 1
+            return []
+        released = []
+        while self._held and self._held[0][0] <= self._now:
+            released.append(heapq.heappop(self._held)[2])
+        return released
+
+    def stats(self) -> dict[str, Any]:
+        per = [e.stats() for e in self.engines]
+        merged = {k: sum(s[k] for s in per) for k in ("num_steps", "num_preemptions")}
+        return merged | {"replicas": len(self.engines), "per_replica": per}
