@@ -51,3 +51,25 @@ def test_figures_notebook_runs_and_draws(tmp_path, monkeypatch):
     ]
     assert len(tables) == 1 and "| tiny-llama | 8 |" in tables[0]
     assert (tmp_path / "figures" / "concurrency_curves.png").stat().st_size > 1000
+
+
+def test_reproduce_spark_notebook_runs_the_simulated_sweep(tmp_path, monkeypatch):
+    """No results file given: the notebook runs the simulated gb10 sweep itself (two points per
+    model to keep it short) and draws the curves of both models."""
+    monkeypatch.delenv("RESULTS_PATH", raising=False)
+    monkeypatch.setenv("FIGURES_DIR", str(tmp_path / "figures"))
+    monkeypatch.setenv("CONCURRENCIES", "1,8")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv("PYTHONPATH", str(root))
+    nb = nbformat.read(root / "notebooks" / "reproduce_spark.ipynb", as_version=4)
+    client = NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(root)}}
+    )
+    client.execute()
+    outputs = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
+    assert not [out for out in outputs if out.output_type == "error"]
+    tables = [o["data"]["text/markdown"] for o in outputs if "text/markdown" in o.get("data", {})]
+    assert "167.40   167.40" in tables[0]  # the calibration table: Llama's TPOT target met
+    assert "simulated-gb10 llama-3.3-70b awq | 8 |" in tables[1]
+    assert len([o for o in outputs if "image/png" in o.get("data", {})]) == 2

@@ -1,4 +1,5 @@
-"""Performance models of named machines: hardware as data, vLLM's KV-capacity formula, and the
+"""Performance models of named machines: hardware as data, vLLM's KV-capacity formula, the
+calibrated step cost model behind the simulated executor (``research.perf.simulated``), and the
 sizing method that turns a measured concurrency curve into a number of users.
 
 Pure Python: nothing here imports JAX, so the simulated executor and the cost model can use it on
@@ -7,6 +8,14 @@ any machine.
 
 from typing import Any
 
+from research.perf.cost_model import (
+    CALIBRATED,
+    CostModel,
+    CostParams,
+    StepShape,
+    calibration_report,
+    predict_single_stream,
+)
 from research.perf.hardware import (
     HARDWARE,
     TENSOR_DTYPES,
