@@ -58,13 +58,18 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CALIBRATED",
     "DEFAULT_OTHER_BYTES",
     "HARDWARE",
     "POISSON_P99_Z",
     "TENSOR_DTYPES",
+    "CostModel",
+    "CostParams",
     "Hardware",
     "KVCapacity",
     "SizingResult",
+    "StepShape",
+    "calibration_report",
     "duty_cycle",
     "estimate_activation_bytes",
     "floor_crossing",
@@ -74,6 +79,7 @@ __all__ = [
     "kv_capacity_blocks",
     "kv_capacity_tokens",
     "max_users_for_streams",
+    "predict_single_stream",
     "quantized_bytes",
     "register_hardware",
     "size_users",
