@@ -390,51 +390,13 @@ def kv_capacity(
     )
 
 
-def kv_capacity_blocks(
-    model: str | ModelConfig = "qwen3-coder-30b-a3b",
-    quantization: str | None = "awq",
-    hardware: str | Hardware = "gb10",
-    gpu_memory_utilization: float = 0.85,
-    block_size: int = 16,
-    kv_cache_dtype: str = "auto",
-    dtype: Any = "bfloat16",
-    activation_bytes: int | None = None,
-    **kwargs: Any,
-) -> int:
-    """``num_blocks`` of ``kv_capacity`` (same arguments)."""
-    return kv_capacity(
-        model,
-        quantization,
-        hardware,
-        gpu_memory_utilization,
-        block_size,
-        kv_cache_dtype,
-        dtype,
-        activation_bytes,
-        **kwargs,
-    ).num_blocks
+def kv_capacity_blocks(*args: Any, **kwargs: Any) -> int:
+    """``kv_capacity(...).num_blocks``: the same arguments and defaults."""
+    return kv_capacity(*args, **kwargs).num_blocks
 
 
-def kv_capacity_tokens(
-    model: str | ModelConfig = "qwen3-coder-30b-a3b",
-    quantization: str | None = "awq",
-    hardware: str | Hardware = "gb10",
-    gpu_memory_utilization: float = 0.85,
-    block_size: int = 16,
-    kv_cache_dtype: str = "auto",
-    dtype: Any = "bfloat16",
-    activation_bytes: int | None = None,
-    **kwargs: Any,
-) -> int:
-    """KV capacity in tokens, ``num_blocks * block_size`` of ``kv_capacity`` (same arguments)."""
-    return kv_capacity(
-        model,
-        quantization,
-        hardware,
-        gpu_memory_utilization,
-        block_size,
-        kv_cache_dtype,
-        dtype,
-        activation_bytes,
-        **kwargs,
-    ).num_tokens
+def kv_capacity_tokens(*args: Any, **kwargs: Any) -> int:
+    """KV capacity in tokens, ``kv_capacity(...).num_tokens`` (num_blocks * block_size): the same
+    arguments and defaults, e.g. ``kv_capacity_tokens(model="qwen3-coder-30b-a3b",
+    quantization="awq", hardware="gb10", gpu_memory_utilization=0.85, block_size=16)``."""
+    return kv_capacity(*args, **kwargs).num_tokens
