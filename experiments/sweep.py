@@ -8,7 +8,8 @@ open-loop rate), recorded with the driver of ``research.bench``. Every point bec
 plots are drawn at the end.
 
 Backends: ``real`` (this project's engine), ``hf`` (HF transformers ``generate`` in static
-batches, the peer), ``simulated`` (a cost model of a named machine).
+batches, the peer), ``simulated`` (a cost model of a named machine), ``http`` (an OpenAI-compatible
+server, ours or vLLM, over the network).
 """
 
 from __future__ import annotations
@@ -175,6 +176,51 @@ class HFBackend:
         return {}
 
 
+class HTTPBackend:
+    """An OpenAI-compatible server at ``run.executor.base_url`` serving ``run.model.model``,
+    driven by the streaming HTTP client. The vocabulary for random prompts is the ``vocab_size``
+    our server lists in ``/v1/models``; other servers (vLLM) list none, so 32000 is assumed."""
+
+    def __init__(self, run: RunConfig):
+        import httpx
+
+        e = run.executor
+        if e.base_url is None:
+            raise ValueError("executor=http needs executor.base_url (e.g. http://127.0.0.1:8000)")
+        headers = {"Authorization": f"Bearer {e.api_key}"} if e.api_key else {}
+        response = httpx.get(f"{e.base_url.rstrip('/')}/v1/models", headers=headers)
+        response.raise_for_status()
+        models = {m["id"]: m for m in response.json()["data"]}
+        if run.model.model not in models:
+            raise ValueError(f"{e.base_url} serves {sorted(models)}, not {run.model.model!r}")
+        self.base_url, self.api_key = e.base_url, e.api_key
+        self.model_id = run.model.model
+        self.label = f"http {run.model.model}"
+        self.vocab_size = int(models[run.model.model].get("vocab_size", 32000))
+        self.special_ids: tuple[int, ...] = ()
+        self.workload = run.workload
+
+    def run(
+        self, requests: list[BenchRequest], max_concurrency: int | None, progress: bool
+    ) -> BenchmarkResult:
+        from research.bench.http_client import run_http_benchmark
+
+        w = self.workload
+        return run_http_benchmark(
+            self.base_url,
+            self.model_id,
+            requests,
+            max_concurrency=max_concurrency,
+            api_key=self.api_key,
+            request_rate=w.request_rate,
+            burstiness=w.burstiness,
+            seed=w.seed,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
 def make_backend(run: RunConfig) -> Backend:
     kind = run.executor.kind
     if kind in ("real", "simulated"):
@@ -185,6 +231,8 @@ def make_backend(run: RunConfig) -> Backend:
         if run.quantization.quantization or run.quantization.kv_cache_dtype != "auto":
             raise ValueError("the hf peer runs the unquantized model; use quantization=none")
         return HFBackend(run)
+    if kind == "http":
+        return HTTPBackend(run)
     raise ValueError(f"executor kind {kind!r} is not available in this sweep")
 
 

@@ -156,7 +156,7 @@ class SchedulerConfig:
 
 QUANTIZATION_CHOICES = (None, "awq", "nvfp4", "mxfp4", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8", "int4")
-EXECUTORS = ("real", "simulated", "hf")
+EXECUTORS = ("real", "simulated", "hf", "http")
 
 
 @dataclass(frozen=True)
@@ -191,10 +191,13 @@ class QuantConfig:
 @dataclass(frozen=True)
 class ExecutorConfig:
     """What runs the steps: ``real`` (JAX on this machine), ``simulated`` (a cost model of
-    ``hardware``), or ``hf`` (HF transformers ``generate`` in static batches, the peer run)."""
+    ``hardware``), or ``hf`` (HF transformers ``generate`` in static batches, the peer run).
+    ``http`` benchmarks an OpenAI-compatible server (ours or vLLM) at ``base_url``."""
 
     kind: str = "real"
     attention_backend: str = "xla"  # xla | pallas | pallas_interpret
+    base_url: str | None = None  # http: e.g. http://127.0.0.1:8000 (without /v1)
+    api_key: str | None = None  # http: sent as "Authorization: Bearer <api_key>"
 
     def __post_init__(self) -> None:
         if self.kind not in EXECUTORS:

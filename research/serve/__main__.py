@@ -1,0 +1,66 @@
+"""Serve a model over HTTP: ``python -m research.serve --model smollm2-135m --port 8000``.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (see ``research.serve.app``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m research.serve", description=__doc__)
+    parser.add_argument(
+        "--model", default="smollm2-135m", help="preset, .gguf, HF dir or checkpoint"
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="name clients use (default: --model)"
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--quantization", default=None, help="fp8 | awq | nvfp4 | mxfp4")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | int4")
+    parser.add_argument(
+        "--attention-backend", default="xla", help="xla | pallas | pallas_interpret"
+    )
+    parser.add_argument("--max-waiting", type=int, default=256, help="queue bound; 429 beyond it")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    import uvicorn
+
+    from research.llm import LLM
+    from research.serve.app import create_app
+
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        attention_backend=args.attention_backend,
+    )
+    app = create_app(
+        llm,
+        served_model_name=args.served_model_name or args.model,
+        max_waiting=args.max_waiting,
+        api_key=args.api_key,
+    )
+    uvicorn.run(app, host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""The OpenAI-compatible server on real SmolLM2 over a real socket: the official ``openai`` client,
+64 concurrent streams, errors, disconnects, the queue bound, and the HTTP benchmark client.
+
+Every prompt but the chat one has the same length, so the engine compiles few step shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from research.bench import BenchRequest, compute_metrics
+from research.bench.http_client import run_http_benchmark
+from research.config import CacheConfig, SchedulerConfig
+from research.engine.engine import Engine
+from research.serve import create_app
+
+MODEL = "smollm2"
+KEY = "secret"
+PROMPT = [1000 + i for i in range(8)]  # 8 token ids: one prefill length for all tests
+
+
+def _engine(llm) -> Engine:
+    """A small engine over the session's SmolLM2 weights (its own pool and batch)."""
+    return Engine(
+        llm.model_config,
+        llm.params,
+        llm.tokenizer,
+        cache_config=CacheConfig(block_size=16, num_kv_blocks=256),
+        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512),
+        max_model_len=256,
+    )
+
+
+@contextmanager
+def _serve(app) -> Iterator[str]:
+    """Run ``app`` with uvicorn on a free port in a background thread; yields its base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_llm) -> Iterator[str]:
+    with _serve(create_app(_engine(smollm2_llm), served_model_name=MODEL)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def keyed_server(smollm2_llm) -> Iterator[str]:
+    """A second server with an API key and room for only 2 waiting requests."""
+    app = create_app(_engine(smollm2_llm), served_model_name=MODEL, max_waiting=2, api_key=KEY)
+    with _serve(app) as url:
+        yield url
+
+
+def _body(max_tokens: int = 4, **extra) -> dict:
+    return {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        **extra,
+    }
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, dict]:
+    """POST a streaming completion; returns the status and (for 200) the text chunks' count,
+    the usage and whether ``[DONE]`` came, or (otherwise) the headers and JSON error."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return response.status_code, {"headers": response.headers, **response.json()}
+        result = {"chunks": 0, "usage": None, "done": False}
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                result["done"] = True
+                break
+            chunk = json.loads(line[len("data: ") :])
+            result["chunks"] += bool(chunk["choices"])
+            result["usage"] = chunk.get("usage") or result["usage"]
+        return 200, result
+
+
+async def _burst(url: str, n: int, headers: dict | None = None) -> list[tuple[int, dict]]:
+    limits = httpx.Limits(max_connections=n)
+    async with httpx.AsyncClient(timeout=60, limits=limits, headers=headers) as client:
+        return await asyncio.gather(*(_stream(client, url, _body()) for _ in range(n)))
+
+
+def _metrics(url: str) -> dict[str, float]:
+    """``/metrics`` samples as {name (plus labels other than model_name): value}."""
+    text = httpx.get(f"{url}/metrics").text
+    assert "# TYPE research:kv_blocks_free gauge" in text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            sample, value = line.rsplit(" ", 1)
+            name = sample.replace(f'model_name="{MODEL}"', "").replace("{,", "{").replace("{}", "")
+            samples[name] = float(value)
+    return samples
+
+
+def test_openai_client_streams_a_chat_answer(server):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0.0,
+        max_tokens=12,
+        stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert "Paris" in text
+    completion = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0.0, extra_body={"ignore_eos": True}
+    )
+    assert completion.usage.completion_tokens == 4
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.choices[0].text
+
+
+def test_64_concurrent_streams_complete_with_their_token_counts(server):
+    results = asyncio.run(_burst(server, 64))
+    for status, result in results:
+        assert status == 200
+        assert result["done"] and result["chunks"] == 4
+        assert result["usage"] == {"prompt_tokens": 8, "completion_tokens": 4, "total_tokens": 12}
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (b'{"model": "smollm2", "prompt": ', "not valid JSON"),
+        (json.dumps(_body(model="gpt-4")).encode(), "does not exist"),
+        (json.dumps(_body(temperature=-1)).encode(), "temperature"),
+        (json.dumps(_body(prompt=PROMPT * 40)).encode(), "max_model_len"),
+        (json.dumps(_body(max_tokens="four")).encode(), "max_tokens"),
+    ],
+)
+def test_bad_requests_get_400_with_a_reason_and_the_server_keeps_serving(server, content, reason):
+    response = httpx.post(f"{server}/v1/completions", content=content)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert reason in error["message"] and error["type"] == "invalid_request_error"
+    ok = httpx.post(f"{server}/v1/completions", json=_body(), timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+
+
+def test_api_key_is_required_when_set(keyed_server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.post(f"{keyed_server}/v1/completions", json=_body(), headers=headers)
+        assert response.status_code == 401 and "API key" in response.json()["error"]["message"]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    ok = httpx.post(f"{keyed_server}/v1/completions", json=_body(), headers=headers, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_disconnected_streams_are_aborted_and_free_their_blocks(server):
+    before = _metrics(server).get('research:request_finished_total{finished_reason="abort"}', 0)
+
+    async def read_one_chunk_and_leave(client: httpx.AsyncClient) -> None:
+        body = {**_body(max_tokens=100), "stream": True}
+        async with client.stream("POST", f"{server}/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    return  # leaving the block closes the connection mid-stream
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            await asyncio.gather(*(read_one_chunk_and_leave(client) for _ in range(10)))
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 10
+    while True:
+        m = _metrics(server)
+        aborted = m.get('research:request_finished_total{finished_reason="abort"}', 0) - before
+        idle = m["research:num_requests_running"] == 0 and m["research:kv_blocks_used"] == 0
+        if (aborted == 10 and idle) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert aborted == 10, "every disconnected stream should be aborted, not run to the end"
+    assert idle and m["research:kv_blocks_free"] == m["research:kv_blocks_total"]
+
+
+def test_a_burst_beyond_the_queue_bound_gets_429s_and_the_admitted_complete(keyed_server):
+    results = asyncio.run(_burst(keyed_server, 40, headers={"Authorization": f"Bearer {KEY}"}))
+    statuses = [status for status, _ in results]
+    assert set(statuses) == {200, 429}, statuses
+    for status, result in results:
+        if status == 429:
+            assert result["headers"]["retry-after"] and "retry" in result["error"]["message"]
+        else:
+            assert result["done"] and result["usage"]["completion_tokens"] == 4
+    m = _metrics(keyed_server)
+    assert m["research:requests_rejected_total"] == statuses.count(429)
+
+
+def test_http_benchmark_client_records_ttft_and_tpot(server):
+    requests = [BenchRequest(PROMPT, 4) for _ in range(8)]
+    result = run_http_benchmark(server, MODEL, requests, max_concurrency=4)
+    assert all(r.success for r in result.records), [r.error for r in result.records]
+    assert all(r.output_len == 4 and len(r.token_times) == 4 for r in result.records)
+    metrics = compute_metrics(result.records, result.duration)
+    assert metrics["completed"] == 8 and metrics["total_output_tokens"] == 32
+    assert metrics["median_ttft_ms"] > 0 and metrics["median_tpot_ms"] > 0
