@@ -92,12 +92,12 @@ from research.config import QUANTIZATION_CHOICES, ModelConfig
 from research.models.shapes import param_shapes
 from research.perf.hardware import Hardware, get_hardware
 from research.perf.kv_capacity import (
-    QUANTIZED_KEYS,
     dtype_bytes,
     kv_bytes_per_token,
     quantized_bytes,
     resolve_model,
 )
+from research.quant.layout import QUANTIZED_KEYS
 
 MOE_ROUTINGS = ("hot_set", "uniform", "all")
 EXPERT_KEYS = ("w_gate", "w_up", "w_down")

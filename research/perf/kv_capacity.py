@@ -15,7 +15,7 @@ peak activations and "other" are what vLLM measures in a profile run, estimated 
 Everything here is arithmetic on shapes: no parameter is allocated and JAX is not imported, so the
 cost model and the simulated executor can size a 70B model on a laptop. Shapes come from
 ``research.models.shapes.param_shapes`` (the ones ``init_params`` allocates); the storage layouts
-mirror ``research.quant`` (checked against the real quantizer on tiny models).
+follow ``research.quant.layout`` (checked against the real quantizer on tiny models).
 """
 
 from __future__ import annotations
@@ -27,12 +27,7 @@ from typing import Any
 from research.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES, ModelConfig
 from research.models.shapes import param_shapes
 from research.perf.hardware import GiB, Hardware, get_hardware
-
-# Storage layout of research.quant.qtensor / research.quant.params, mirrored without JAX.
-QUANTIZED_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-QUANT_GROUP_SIZES = {"awq": 128, "nvfp4": 16, "mxfp4": 32}  # fp8 scales whole columns
-AWQ_GROUP_CANDIDATES = (128, 64, 32)  # research.quant.params.awq_group_size: first that divides I
-AWQ_PACK = 8  # int4 values per int32 word (along the output axis)
+from research.quant.layout import AWQ_PACK, GROUP_SIZES, QUANTIZED_KEYS, awq_group_size
 
 DTYPE_BYTES = {
     "float32": 4,
@@ -93,18 +88,6 @@ def dtype_bytes(dtype: Any) -> int:
     return int(itemsize)
 
 
-def awq_group_size(d_in: int) -> int:
-    """AWQ's input channels per scale for a weight with ``d_in`` inputs: 128, or the largest of
-    64, 32 that divides ``d_in`` (``research.quant.params.awq_group_size``)."""
-    for group in AWQ_GROUP_CANDIDATES:
-        if d_in % group == 0:
-            return group
-    raise ValueError(
-        f"awq: input width {d_in} is not a multiple of any supported group size "
-        f"{AWQ_GROUP_CANDIDATES}"
-    )
-
-
 def quantized_bytes(shape: tuple[int, ...], fmt: str) -> int:
     """Stored bytes of a weight of ``shape`` [..., I, O] quantized to ``fmt`` (one quantized
     matrix per leading index, e.g. per expert), as ``research.quant.QTensor.nbytes`` counts them:
@@ -121,11 +104,11 @@ def quantized_bytes(shape: tuple[int, ...], fmt: str) -> int:
     d_in, d_out = shape[-2:]
     if fmt == "fp8":
         return lead * (d_in * d_out + 4 * d_out)
-    if fmt not in QUANT_GROUP_SIZES:
+    if fmt not in GROUP_SIZES:
         raise ValueError(
             f"unknown quantization format {fmt!r}; expected one of {QUANTIZATION_CHOICES[1:]}"
         )
-    group = awq_group_size(d_in) if fmt == "awq" else QUANT_GROUP_SIZES[fmt]
+    group = awq_group_size(d_in) if fmt == "awq" else GROUP_SIZES[fmt]
     if d_in % group:
         raise ValueError(
             f"{fmt} groups {group} input channels per scale; input dim {d_in} of shape {shape} "

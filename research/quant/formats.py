@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from research.quant.layout import AWQ_PACK
+
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 E8M0_BIAS = 127
@@ -28,7 +30,6 @@ E8M0_MIN_EXP, E8M0_MAX_EXP = -127, 127  # code 255 is NaN
 
 # Slot i (bits 4i..4i+3) of a packed int32 holds column AWQ_ORDER[i] of its group of 8 columns.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-AWQ_PACK = 8  # nibbles per int32
 
 # E2M1 round-to-nearest: magnitude codes are monotone in value, so the code of |x| is the number of
 # midpoints between neighbouring grid values that |x| passes. At a tie the even code wins (ties to

@@ -12,23 +12,10 @@ from typing import Any
 
 import jax
 
-from research.quant.qtensor import FORMATS, GROUP_SIZES, QTensor, quantize
+from research.quant.layout import FORMATS, QUANTIZED_KEYS, awq_group_size
+from research.quant.qtensor import QTensor, quantize
 
-QUANTIZED_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 QUANTIZATIONS = (None, *FORMATS)
-# AWQ groups 128 input channels; a layer whose input width 128 does not divide (SmolLM2's hidden
-# size is 576) uses the largest of these that does, as AutoAWQ users do with q_group_size.
-AWQ_FALLBACK_GROUPS = (64, 32)
-
-
-def awq_group_size(d_in: int) -> int:
-    for group in (GROUP_SIZES["awq"], *AWQ_FALLBACK_GROUPS):
-        if d_in % group == 0:
-            return group
-    raise ValueError(
-        f"awq: input width {d_in} is not a multiple of any supported group size "
-        f"{(GROUP_SIZES['awq'], *AWQ_FALLBACK_GROUPS)}"
-    )
 
 
 def quantize_params(params: dict[str, Any], fmt: str | None) -> dict[str, Any]:

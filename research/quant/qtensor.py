@@ -51,9 +51,8 @@ from research.quant.formats import (
     pack_nibbles,
     unpack_nibbles,
 )
+from research.quant.layout import FORMATS, GROUP_SIZES
 
-FORMATS = ("awq", "nvfp4", "mxfp4", "fp8")
-GROUP_SIZES = {"awq": 128, "nvfp4": 16, "mxfp4": 32}  # fp8: one group spans the whole column
 AWQ_MAX_Q = 15
 # Smallest normal fp16: a smaller AWQ scale would be an fp16 subnormal and lose relative precision.
 FP16_MIN_NORMAL = 2.0**-14
