@@ -41,19 +41,16 @@ need sm_89 or newer (H200: sm_90, GB10: sm_121).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import time
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from research.quant import FORMATS, QTensor, dequantize, quantize
+from research.quant import QTensor, dequantize
 from research.quant.formats import AWQ_ORDER, AWQ_PACK, e2m1_decode, e8m0_decode
 
 MIN_BLOCK = 16  # Triton's dot needs every operand dim >= 16
@@ -412,88 +409,3 @@ def grouped_experts_reference(
         lhs, w.astype(lhs.dtype), group_sizes, preferred_element_type=jnp.float32
     )
     return out.astype(lhs.dtype)
-
-
-PEAK_BANDWIDTH = {"H200": 4.8e12, "GB10": 2.73e11}  # bytes / s
-
-
-def _peak_bandwidth(device: jax.Device) -> float | None:
-    return next((bw for name, bw in PEAK_BANDWIDTH.items() if name in device.device_kind), None)
-
-
-def _route(rng: np.random.Generator, tokens: int, experts: int, top_k: int) -> np.ndarray:
-    """Random top-k routing -> group_sizes int32 [E] (each token picks top_k distinct experts)."""
-    picks = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]
-    return np.bincount(picks.reshape(-1), minlength=experts).astype(np.int32)
-
-
-def _time(fn, *args, iters: int) -> float:
-    """Seconds per call of a jitted ``fn`` (after one warmup call that also compiles)."""
-    jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    for _ in range(iters):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / iters
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Benchmark Qwen3-30B-A3B expert GEMMs (gate/up [E, 2048, 768], down [E, 768, 2048])."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=20, help="timed calls per case (GPU)")
-    args = parser.parse_args(argv)
-    device = jax.devices()[0]
-    on_cpu = device.platform == "cpu"
-    if on_cpu:
-        print(
-            "CPU: the kernel runs in interpret mode, for correctness only (timings mean nothing); "
-            "shapes shrunk to 8 experts, hidden 256, expert width 128, top-2."
-        )
-        experts, hidden, width, top_k, token_counts, iters = 8, 256, 128, 2, (8, 32), 2
-    else:
-        experts, hidden, width, top_k = 128, 2048, 768, 8
-        token_counts, iters = (8, 16, 32, 64, 128, 256), args.iters
-    peak = _peak_bandwidth(device)
-    peak_text = f"{peak / 1e9:.0f} GB/s" if peak else "unknown (not in PEAK_BANDWIDTH)"
-    print(f"device: {device.device_kind}; peak bandwidth: {peak_text}")
-
-    rng = np.random.default_rng(0)
-    shapes = {"gate/up": (hidden, width), "down": (width, hidden)}
-    weights = {}
-    for name, (k, n) in shapes.items():
-        w = jnp.asarray(rng.standard_normal((experts, k, n), np.float32) * 0.02)
-        weights[name] = {"bf16": w.astype(jnp.bfloat16)}
-        weights[name].update({fmt: quantize(w, fmt) for fmt in FORMATS})
-
-    print(
-        f"{'tokens':>6} {'matmul':>8} {'format':>6} {'experts':>7} {'us':>9} {'GB/s':>8} "
-        f"{'%peak':>6} {'rel err':>8}"
-    )
-    for tokens in token_counts:
-        group_sizes = _route(rng, tokens, experts, top_k)
-        touched = int(np.count_nonzero(group_sizes))
-        rows = tokens * top_k
-        # Rows per touched expert, rounded up to a power of two in [16, 64].
-        block_m = min(max(16, 1 << (-(-rows // touched) - 1).bit_length()), 64)
-        kernel = functools.partial(
-            grouped_experts, block_m=block_m, block_n=64, block_k=64, interpret=on_cpu
-        )
-        gs = jnp.asarray(group_sizes)
-        for name, (k, n) in shapes.items():
-            lhs = jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.bfloat16)
-            for fmt, w in weights[name].items():
-                seconds = _time(kernel, lhs, w, gs, iters=iters)
-                out = kernel(lhs, w, gs).astype(jnp.float32)
-                ref = grouped_experts_reference(lhs, w, gs).astype(jnp.float32)
-                err = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))  # relative
-                w_bytes = w.nbytes if isinstance(w, QTensor) else w.size * w.dtype.itemsize
-                moved = touched * w_bytes / experts + lhs.nbytes + rows * n * lhs.dtype.itemsize
-                frac = f"{100 * moved / seconds / peak:5.1f}%" if peak else "?"
-                print(
-                    f"{tokens:>6} {name:>8} {fmt:>6} {touched:>7} {seconds * 1e6:>9.1f} "
-                    f"{moved / seconds / 1e9:>8.1f} {frac:>6} {err:>8.1e}"
-                )
-
-
-if __name__ == "__main__":
-    main()

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 from typing import Any
 
 import jax
@@ -46,7 +45,6 @@ from research.quant.kv import (
     int4_unpack_halves,
     kv_code_shape,
     kv_dtype_of,
-    quantize_kv,
 )
 
 MIN_DOT_DIM = 16  # Triton's tl.dot needs every operand dim >= 16
@@ -406,94 +404,3 @@ def paged_attention_reference(
     denom = p.sum(axis=-1, keepdims=True)
     out = jnp.einsum("bkgt,bktd->bkgd", p, v, precision=hi) / jnp.where(denom > 0, denom, 1.0)
     return out.reshape(batch, heads, head_dim).astype(q.dtype)
-
-
-# ---- benchmark -----------------------------------------------------------------------------------
-
-PEAK_BANDWIDTH = {"H200": 4.8e12, "GB10": 2.73e11}  # bytes/s, matched in device_kind
-KV_FORMATS = ("bf16", "fp8", "int4")
-_quantize_kv = jax.jit(quantize_kv, static_argnums=1)
-
-
-def _bench_inputs(
-    key: jax.Array,
-    kv: str,
-    *,
-    batch: int,
-    context: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    page_size: int,
-) -> tuple[tuple[jax.Array, ...], dict[str, jax.Array], int]:
-    """Random bf16 q and K/V (quantized to ``kv``), pages shuffled in the pool, every sequence
-    ``context`` tokens long. Returns the positional args, the scale kwargs and the useful bytes
-    (K/V rows below the lengths, their scales, block tables, lengths, q and out)."""
-    pages_per_seq = context // page_size
-    num_pages = batch * pages_per_seq
-    kq, kk, kv_key, kt = jax.random.split(key, 4)
-    q = jax.random.normal(kq, (batch, heads, head_dim), jnp.bfloat16)
-    shape = (kv_heads, num_pages, page_size, head_dim)
-    k, v = (jax.random.normal(x, shape, jnp.bfloat16) for x in (kk, kv_key))
-    tables = jax.random.permutation(kt, num_pages).reshape(batch, pages_per_seq)
-    lengths = jnp.full((batch,), context, jnp.int32)
-    scales = {}
-    if kv != "bf16":
-        k, scales["k_scales"] = _quantize_kv(k, kv)
-        v, scales["v_scales"] = _quantize_kv(v, kv)
-    rows = batch * context * kv_heads  # K (or V) vectors read
-    row_bytes = k.shape[-1] * k.dtype.itemsize + (4 if scales else 0)
-    nbytes = 2 * rows * row_bytes + tables.size * 4 + batch * 4 + 2 * q.size * q.dtype.itemsize
-    return (q, k, v, tables.astype(jnp.int32), lengths), scales, nbytes
-
-
-def _time(fn, args: tuple, kwargs: dict, iters: int) -> float:
-    """Seconds per call: best of 3 runs of ``iters`` back-to-back calls, after 2 warmup calls."""
-    for _ in range(2):
-        fn(*args, **kwargs).block_until_ready()
-    best = math.inf
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args, **kwargs)
-        out.block_until_ready()
-        best = min(best, (time.perf_counter() - start) / iters)
-    return best
-
-
-def main() -> None:
-    """Sweep batch/context/KV format on the default device and print achieved bandwidth."""
-    device = jax.devices()[0]
-    interpret = device.platform != "gpu"
-    peak = next((bw for name, bw in PEAK_BANDWIDTH.items() if name in device.device_kind), None)
-    model = dict(heads=32, kv_heads=8, head_dim=128, page_size=16)  # Llama-3-8B-like attention
-    if interpret:
-        print(
-            f"{device.platform} ({device.device_kind}): no GPU, the kernel runs in Pallas' "
-            "interpreter, for correctness only; times and GB/s say nothing about a GPU."
-        )
-        model = dict(heads=8, kv_heads=2, head_dim=64, page_size=16)
-        sizes, splits, iters = [(2, 256)], (4,), 2
-    else:
-        sizes, splits, iters = [(64, 2048), (8, 8192), (128, 512), (1, 32768)], (1, 4, 16), 20
-    peak_text = f"{peak / 1e9:.0f} GB/s" if peak else "unknown (not in PEAK_BANDWIDTH)"
-    print(f"device {device.device_kind}, peak bandwidth {peak_text}; attention {model}")
-    print(f"{'kv':>5} {'batch':>5} {'context':>7} {'splits':>6} {'us':>9} {'GB/s':>8} {'%peak':>6}")
-    key = jax.random.key(0)
-    for batch, context in sizes:
-        for kv in KV_FORMATS:
-            args, scales, nbytes = _bench_inputs(key, kv, batch=batch, context=context, **model)
-            for k_splits in splits:
-                fn = functools.partial(paged_attention, k_splits=k_splits, interpret=interpret)
-                seconds = _time(fn, args, scales, iters)
-                gbps = nbytes / seconds / 1e9
-                pct = f"{100 * nbytes / seconds / peak:6.1f}" if peak else f"{'-':>6}"
-                print(
-                    f"{kv:>5} {batch:>5} {context:>7} {k_splits:>6} {seconds * 1e6:9.1f} "
-                    f"{gbps:8.1f} {pct}"
-                )
-            del args, scales
-
-
-if __name__ == "__main__":
-    main()

@@ -11,6 +11,8 @@ a 70B model is simulated on a laptop. The KV pool is sized by vLLM's formula on 
 
 from __future__ import annotations
 
+import heapq
+import random
 import time
 from typing import Any
 
@@ -76,8 +78,6 @@ class ReplicaRouter:
     def __init__(self, engines: list[Any], seed: int = 0):
         if not engines:
             raise ValueError("a router needs at least one replica")
-        import random
-
         self.engines = engines
         self._rng = random.Random(seed)
         self._now = 0.0
@@ -115,8 +115,6 @@ class ReplicaRouter:
         return bool(self._held) or any(e.has_unfinished_requests() for e in self.engines)
 
     def step(self) -> list[Any]:
-        import heapq
-
         busy = [e for e in self.engines if e.has_unfinished_requests()]
         next_start = min((e.executor.clock.now for e in busy), default=float("inf"))
         if self._held and self._held[0][0] <= next_start:
