@@ -11,15 +11,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from research.perf.cost_model import (
+from research.perf.calibration import (
     CALIBRATED,
     CALIBRATION_POINTS,
-    CostModel,
-    StepShape,
     calibration_report,
-    expected_distinct_experts,
     fit_calibration,
     predict_single_stream,
+)
+from research.perf.cost_model import (
+    CostModel,
+    StepShape,
+    expected_distinct_experts,
     step_shape_from_plan,
 )
 from research.perf.kv_capacity import weight_bytes

@@ -8,14 +8,8 @@ any machine.
 
 from typing import Any
 
-from research.perf.cost_model import (
-    CALIBRATED,
-    CostModel,
-    CostParams,
-    StepShape,
-    calibration_report,
-    predict_single_stream,
-)
+from research.perf.calibration import CALIBRATED, calibration_report, predict_single_stream
+from research.perf.cost_model import CostModel, CostParams, StepShape
 from research.perf.hardware import (
     HARDWARE,
     TENSOR_DTYPES,
