@@ -15,7 +15,8 @@ import numpy as np
 
 from research.config import CacheConfig, SchedulerConfig
 from research.engine.engine import Engine
-from research.engine.request import RequestOutput, SamplingParams
+from research.engine.kv_cache import kv_pool_bytes_per_block
+from research.engine.request import RequestOutput, SamplingParams, check_bool, check_int, check_real
 from research.models.load import load_model
 from research.quant import QUANTIZATIONS, quantize_params
 from research.quant.kv import KV_DTYPES
@@ -60,8 +61,24 @@ class LLM:
         tensor_parallel_size: int = 1,
         poison_freed_blocks: bool = False,
     ):
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"model must be a preset name or a path, got {model!r}")
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        _check_engine_args(
+            max_model_len=max_model_len,
+            seed=seed,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            enable_prefix_caching=enable_prefix_caching,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            poison_freed_blocks=poison_freed_blocks,
+        )
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -127,6 +144,13 @@ class LLM:
                 f"max_model_len={self.max_model_len} must be in [2, "
                 f"{cfg.max_position_embeddings}] (the model's context length)"
             )
+        if executor == "real" and num_kv_blocks is None:
+            per_block = kv_pool_bytes_per_block(cfg, block_size, self.dtype, kv_cache_dtype)
+            if kv_cache_memory_bytes < per_block:
+                raise ValueError(
+                    f"kv_cache_memory_bytes={kv_cache_memory_bytes} holds no KV block: one block "
+                    f"of {block_size} tokens takes {per_block} bytes for {cfg.name}"
+                )
         if not enable_chunked_prefill and max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) "
@@ -204,9 +228,18 @@ class LLM:
             return [SamplingParams()] * n
         if isinstance(sp, SamplingParams):
             return [sp] * n
+        if isinstance(sp, (str, bytes, dict)) or not hasattr(sp, "__iter__"):
+            raise ValueError(
+                f"sampling_params must be SamplingParams or a list of them, got {sp!r}"
+            )
         sp = list(sp)
         if len(sp) != n:
             raise ValueError(f"got {len(sp)} SamplingParams for {n} prompts")
+        for i, p in enumerate(sp):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(
+                    f"sampling_params[{i}] is a {type(p).__name__}, not SamplingParams"
+                )
         return sp
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -222,7 +255,45 @@ class LLM:
                 raise ValueError("this model has no tokenizer: give prompts as token id lists")
             if not prompt:
                 raise ValueError("prompt is empty")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise ValueError(f"prompt is not valid Unicode text: {error}") from None
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple, np.ndarray)):
             return None, list(prompt)
         raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt)}")
+
+
+def _check_engine_args(
+    *,
+    max_model_len: Any,
+    seed: Any,
+    max_num_seqs: Any,
+    max_num_batched_tokens: Any,
+    enable_chunked_prefill: Any,
+    block_size: Any,
+    num_kv_blocks: Any,
+    kv_cache_memory_bytes: Any,
+    enable_prefix_caching: Any,
+    gpu_memory_utilization: Any,
+    tensor_parallel_size: Any,
+    poison_freed_blocks: Any,
+) -> None:
+    """Type and range of each engine argument, before anything is loaded or allocated."""
+    big = 2**31 - 1  # the device step holds positions, block ids and counts as int32
+    if max_model_len is not None:
+        check_int("max_model_len", max_model_len, 2, big)
+    check_int("seed", seed, 0, 2**32 - 1)  # the key of random-init weights
+    check_int("max_num_seqs", max_num_seqs, 1, big)
+    check_int("max_num_batched_tokens", max_num_batched_tokens, 1, big)
+    check_int("block_size", block_size, 1, big)
+    if num_kv_blocks is not None:
+        check_int("num_kv_blocks", num_kv_blocks, 1, big)
+    check_int("kv_cache_memory_bytes", kv_cache_memory_bytes, 1, 2**63 - 1)
+    check_int("tensor_parallel_size", tensor_parallel_size, 1, 1 << 16)
+    if not 0.0 < check_real("gpu_memory_utilization", gpu_memory_utilization) <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    check_bool("enable_chunked_prefill", enable_chunked_prefill)
+    check_bool("enable_prefix_caching", enable_prefix_caching)
+    check_bool("poison_freed_blocks", poison_freed_blocks)

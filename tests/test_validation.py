@@ -213,3 +213,128 @@ def test_batch_of_token_id_lists_matches_single_calls(llm, reference_tokens):
     outs = llm.generate([[1, 2, 3], [1, 2, 3]], GOOD_PARAMS)
     assert [o.token_ids for o in outs] == [reference_tokens, reference_tokens]
     assert outs[0].request_id != outs[1].request_id
+
+
+# ----------------------------------------------------------------------------- total validation
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"top_k": 2**31}, "top_k"),
+        ({"top_k": 2**40}, "top_k"),
+        ({"top_k": True}, "top_k"),
+        ({"top_k": 2.0}, "top_k"),
+        ({"max_tokens": 2**31}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"stop": [1]}, "stop strings must be strings"),
+        ({"stop": [["x"]]}, "stop strings must be strings"),
+        ({"stop": 5}, "stop must be"),
+        ({"seed": "x"}, "seed"),
+        ({"seed": 1.5}, "seed"),
+        ({"seed": True}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"temperature": True}, "temperature"),
+        ({"temperature": "1"}, "temperature"),
+        ({"temperature": 10**400}, "temperature"),
+        ({"temperature": 1e39}, "temperature"),
+        ({"top_p": 10**400}, "top_p"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"top_p": False}, "top_p"),
+        ({"stop_token_ids": [math.inf]}, "stop_token_ids"),
+        ({"stop_token_ids": [2**31]}, "stop_token_ids"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": ["7"]}, "stop_token_ids"),
+        ({"stop_token_ids": 7}, "stop_token_ids"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"skip_special_tokens": 1}, "skip_special_tokens"),
+    ],
+)
+def test_sampling_params_check_every_type_and_device_bound(kwargs, reason):
+    with pytest.raises(ValueError, match=reason):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_store_plain_python_values():
+    sp = SamplingParams(
+        max_tokens=np.int64(3), top_k=np.int32(5), temperature=1, seed=np.uint64(7), stop=["a"]
+    )
+    assert (type(sp.max_tokens), type(sp.top_k), type(sp.temperature)) == (int, int, float)
+    assert sp.seed == 7 and type(sp.seed) is int and sp.stop == ("a",)
+    assert SamplingParams(top_k=2**31 - 1, seed=-1).top_k == 2**31 - 1
+
+
+def _tampered(**fields) -> SamplingParams:
+    """Params changed after construction (as a subclass or ``object.__setattr__`` could)."""
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    for name, value in fields.items():
+        object.__setattr__(sp, name, value)
+    return sp
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"top_k": 2**31}, "top_k"),  # used to fail inside the step with an int32 overflow
+        ({"seed": "x"}, "seed"),  # used to fail while adding, after earlier prompts were queued
+        ({"stop": (1,)}, "stop strings"),
+        ({"temperature": True}, "temperature"),
+    ],
+)
+def test_a_batch_with_one_bad_request_raises_and_leaves_the_engine_as_it_was(
+    llm, reference_tokens, fields, reason
+):
+    steps_before = llm.engine.num_steps
+    free_before = llm.engine.block_manager.num_free_blocks
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    with pytest.raises(ValueError, match=reason):
+        llm.generate(prompts, [GOOD_PARAMS, _tampered(**fields), GOOD_PARAMS])
+    assert llm.engine.num_steps == steps_before
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
+    assert llm.engine.block_manager.num_free_blocks == free_before
+    _assert_still_works(llm, reference_tokens)
+    _assert_still_works(llm, reference_tokens)  # and the next call too
+
+
+def test_sampling_params_of_the_wrong_type_are_refused(llm, reference_tokens):
+    with pytest.raises(ValueError, match="not SamplingParams"):
+        llm.generate([[1, 2], [3, 4]], [GOOD_PARAMS, {"max_tokens": 4}])
+    with pytest.raises(ValueError, match="SamplingParams"):
+        llm.generate([[1, 2]], "greedy")
+    assert not llm.engine.has_unfinished_requests()
+    _assert_still_works(llm, reference_tokens)
+
+
+def test_an_interrupted_generate_aborts_what_it_added(llm, reference_tokens, monkeypatch):
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm.engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[1, 2, 3], [4, 5, 6]], GOOD_PARAMS)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
+    assert llm.engine.block_manager.num_used_blocks == 0
+    _assert_still_works(llm, reference_tokens)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes"),
+        ({"kv_cache_memory_bytes": 100}, "holds no KV block"),
+        ({"block_size": 2.5}, "block_size"),
+        ({"block_size": 0}, "block_size"),
+        ({"max_num_seqs": 1.5}, "max_num_seqs"),
+        ({"max_num_batched_tokens": "2048"}, "max_num_batched_tokens"),
+        ({"num_kv_blocks": 0.5}, "num_kv_blocks"),
+        ({"max_model_len": 64.0}, "max_model_len"),
+        ({"seed": "0"}, "seed"),
+        ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
+        ({"enable_prefix_caching": "no"}, "enable_prefix_caching"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ],
+)
+def test_bad_engine_arguments_are_refused_before_anything_is_built(kwargs, reason):
+    with pytest.raises(ValueError, match=reason):
+        LLM("tiny-llama", **{"max_model_len": MAX_MODEL_LEN, **kwargs})

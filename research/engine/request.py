@@ -3,7 +3,40 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
+
+INT32_MAX = 2**31 - 1  # the device step holds token counts, top_k and token ids as int32
+FLOAT32_MAX = 3.4028234663852886e38  # temperature and top_p travel to the device as float32
+
+
+def check_int(name: str, value: object, low: int, high: int) -> int:
+    """``value`` as a Python int in [low, high]; bools and non-integers are refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+    return value
+
+
+def check_real(name: str, value: object) -> float:
+    """``value`` as a float that float32 holds; bools and non-numbers are refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    try:
+        value = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} is too large: {value!r}") from None
+    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return value
+
+
+def check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -12,6 +45,10 @@ class SamplingParams:
 
     temperature 0 is greedy; top_k 0 (or -1) and top_p 1 disable those filters. ``seed`` makes a
     request's samples reproducible whatever else is in the batch.
+
+    Every field is checked at construction (type and range, including the int32 and float32
+    bounds of the device step), so a request that reaches the engine cannot fail inside a step
+    because of its parameters. A bad value raises ``ValueError`` naming the field.
     """
 
     max_tokens: int = 16
@@ -25,23 +62,51 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        # Lists are accepted for convenience and stored as tuples (the params are hashable).
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if type(self.max_tokens) is not int or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
+        # Lists are accepted for convenience and stored as tuples (the params are hashable);
+        # numpy scalars are stored as Python numbers.
+        for name, value in self._checked().items():
+            object.__setattr__(self, name, value)
+
+    def validate(self) -> None:
+        """Re-check every field (the engine calls this on each request it admits)."""
+        checked = self._checked()
+        for name, value in checked.items():
+            if getattr(self, name) != value:
+                raise ValueError(f"{name} was changed after construction to {value!r}")
+
+    def _checked(self) -> dict[str, object]:
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        for s in stop:
+            if not isinstance(s, str):
+                raise ValueError(f"stop strings must be strings, got {s!r}")
+            if not s:
+                raise ValueError("stop strings must be non-empty")
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r}")
+        seed = None if self.seed is None else check_int("seed", self.seed, -(2**63), 2**64 - 1)
+        top_p = check_real("top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(
-                f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}"
-            )
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        temperature = check_real("temperature", self.temperature)
+        if temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        top_k = check_int("top_k", self.top_k, -1, INT32_MAX)
+        return {
+            "max_tokens": check_int("max_tokens", self.max_tokens, 1, INT32_MAX),
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "seed": seed,
+            "stop": tuple(stop),
+            "stop_token_ids": tuple(check_int("stop_token_ids[]", t, 0, INT32_MAX) for t in ids),
+            "ignore_eos": check_bool("ignore_eos", self.ignore_eos),
+            "skip_special_tokens": check_bool("skip_special_tokens", self.skip_special_tokens),
+        }
 
     @property
     def greedy(self) -> bool:
@@ -80,12 +145,14 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" (EOS, stop token or string) | "length" | None (running)
+    # "stop" (EOS, stop token or string) | "length" | "abort" | "error" | None (running)
+    finish_reason: str | None
     metrics: RequestMetrics
     stop_reason: int | str | None = None
     # Gap between the two largest logits at each sampled position: near-ties show up here.
     top2_logit_gaps: list[float] = field(default_factory=list)
     num_preemptions: int = 0
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
 
     @property
     def finished(self) -> bool:
