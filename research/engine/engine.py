@@ -8,6 +8,8 @@ finish) ride on each output for the benchmark metrics.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 import zlib
 from collections.abc import Callable
@@ -20,11 +22,14 @@ import numpy as np
 from research.config import CacheConfig, ModelConfig, SchedulerConfig
 from research.engine.block_manager import BlockManager
 from research.engine.executor import ModelExecutor, StepResult, num_blocks_for
+from research.engine.isolation import isolate_failure
 from research.engine.request import RequestMetrics, RequestOutput, SamplingParams
 from research.engine.scheduler import Scheduler, StepPlan
 from research.engine.sequence import Sequence
 from research.models.transformer import Params
 from research.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class Engine:
@@ -86,6 +91,8 @@ class Engine:
         self.step_time = 0.0  # wall seconds inside step()
         self.device_time = 0.0  # of which inside the jitted calls (dispatch to results ready)
         self._counter = 0
+        # Called after each schedule(), before the step runs (the server refreshes its gauges).
+        self.on_schedule: Callable[[], None] | None = None
         self._eos = set(cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self._eos.add(tokenizer.eos_token_id)
@@ -94,7 +101,14 @@ class Engine:
 
     def validate(self, prompt_token_ids: Seq[int], sp: SamplingParams) -> None:
         """Raise ValueError with the reason if the request cannot be served."""
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(sp).__name__}")
+        sp.validate()
         vocab = self.model_config.vocab_size
+        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__len__"):
+            raise ValueError(
+                f"a prompt is a list of token ids here, got {type(prompt_token_ids).__name__}"
+            )
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt is empty (0 tokens)")
         for t in prompt_token_ids:
@@ -132,9 +146,11 @@ class Engine:
     ) -> str:
         """Validate and queue a request; returns its id. Bad input raises ValueError and
         leaves the engine and every running request untouched."""
-        sp = sampling_params or SamplingParams()
+        sp = SamplingParams() if sampling_params is None else sampling_params
         if request_id is None:
             request_id = f"req-{self._counter}"
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {request_id!r}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = [int(t) if isinstance(t, np.integer) else t for t in prompt_token_ids]
@@ -165,19 +181,38 @@ class Engine:
         sampling_params: Seq[SamplingParams],
         prompts: Seq[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Validate every request, queue them all, step until all finish; outputs in order."""
+        """Validate every request, queue them all, step until all finish; outputs in order.
+
+        A refused batch adds nothing. If the call fails midway (a request failed in a step, or
+        the caller interrupted it), every request it added is aborted before the error
+        propagates, so the engine is left as it was found."""
         prompts = prompts or [None] * len(prompt_token_ids)
-        for ids, sp in zip(prompt_token_ids, sampling_params, strict=True):
-            self.validate(ids, sp)
-        order = [
-            self.add_request(ids, sp, prompt=text)
-            for ids, sp, text in zip(prompt_token_ids, sampling_params, prompts, strict=True)
-        ]
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(order):
-            for out in self.step():
-                if out.finished:
-                    final[out.request_id] = out
+        if not len(prompts) == len(prompt_token_ids) == len(sampling_params):
+            raise ValueError(
+                f"got {len(prompt_token_ids)} prompts, {len(sampling_params)} sampling params "
+                f"and {len(prompts)} prompt texts"
+            )
+        for i, (ids, sp) in enumerate(zip(prompt_token_ids, sampling_params, strict=True)):
+            try:
+                self.validate(ids, sp)
+            except ValueError as error:
+                raise ValueError(f"prompt {i}: {error}") if len(prompts) > 1 else error from None
+        order: list[str] = []
+        try:
+            for ids, sp, text in zip(prompt_token_ids, sampling_params, prompts, strict=True):
+                order.append(self.add_request(ids, sp, prompt=text))
+            final: dict[str, RequestOutput] = {}
+            while len(final) < len(order):
+                for out in self.step():
+                    if out.finish_reason == "error" and out.request_id in order:
+                        i = order.index(out.request_id)
+                        raise RuntimeError(f"prompt {i} failed in the engine: {out.error}")
+                    if out.finished:
+                        final[out.request_id] = out
+        except BaseException:
+            for request_id in order:
+                self.abort(request_id)
+            raise
         return [final[rid] for rid in order]
 
     def abort(self, request_id: str) -> bool:
@@ -199,9 +234,14 @@ class Engine:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute and commit one iteration; outputs of requests that advanced."""
+        """Schedule, execute and commit one iteration; outputs of requests that advanced.
+
+        If the executor raises, the requests that make it fail are found (``_isolate``) and
+        finished with ``finish_reason="error"``; the others advance as if nothing happened."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
+        if self.on_schedule is not None:
+            self.on_schedule()
         if plan.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError(
@@ -213,12 +253,34 @@ class Engine:
         for item in plan.scheduled:
             if item.seq.metrics.first_scheduled_time is None:
                 item.seq.metrics.first_scheduled_time = now
-        result = self.executor.execute(plan)
+        failed: list[RequestOutput] = []
+        try:
+            result = self.executor.execute(plan)
+        except Exception as error:
+            logger.warning(
+                "a step of %d requests failed (%r); isolating", len(plan.scheduled), error
+            )
+            plan, result, culprits = isolate_failure(self.executor, plan, self._check_seq)
+            failed = [self._fail(seq, reason) for seq, reason in culprits]
         self.num_steps += 1
-        outputs = self._commit(plan, result)
+        outputs = failed + self._commit(plan, result)
         self.device_time += result.device_time
         self.step_time += time.perf_counter() - t0
         return outputs
+
+    def _check_seq(self, seq: Sequence) -> None:
+        """Re-validate a scheduled request's own state (ValueError if it cannot be served)."""
+        self.validate(seq.prompt_token_ids, seq.sampling_params)
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in seq.output_token_ids):
+            raise ValueError(f"a generated token id is outside the vocabulary [0, {vocab})")
+
+    def _fail(self, seq: Sequence, reason: str) -> RequestOutput:
+        """Finish ``seq`` with ``finish_reason="error"``; its blocks return to the pool."""
+        logger.error("request %s failed and was stopped: %s", seq.request_id, reason)
+        seq.finish_reason, seq.stop_reason = "error", None
+        self._finish(seq)
+        return dataclasses.replace(self._output(seq), error=reason)
 
     def _commit(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         now = self.clock()
@@ -230,7 +292,11 @@ class Engine:
                 m.first_token_time = now
             m.token_times.append(now)
             seq.top2_gaps.append(result.top2_gaps[seq.request_id])
-            self._append_and_check_stop(seq, token)
+            try:
+                self._append_and_check_stop(seq, token)
+            except Exception as error:  # e.g. a detokenizer error: this request's alone
+                outputs.append(self._fail(seq, f"{type(error).__name__}: {error}"))
+                continue
             if seq.finish_reason is not None:
                 self._finish(seq)
             outputs.append(self._output(seq))
