@@ -9,6 +9,7 @@ app = create_app(LLM("smollm2-135m"), served_model_name="smollm2-135m")  # any A
 """
 
 from research.serve.app import create_app
-from research.serve.engine_loop import APIError, EngineLoop
+from research.serve.engine_loop import EngineLoop
+from research.serve.errors import APIError
 
 __all__ = ["APIError", "EngineLoop", "create_app"]

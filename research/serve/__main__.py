@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> None:
         "--attention-backend", default="xla", help="xla | pallas | pallas_interpret"
     )
     parser.add_argument("--max-waiting", type=int, default=256, help="queue bound; 429 beyond it")
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=8 << 20, help="largest request body; 413 beyond it"
+    )
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -58,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         served_model_name=args.served_model_name or args.model,
         max_waiting=args.max_waiting,
         api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
     )
     uvicorn.run(app, host=args.host, port=args.port)
 

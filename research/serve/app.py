@@ -6,19 +6,27 @@ steps, steps while there is work, and hands every ``RequestOutput`` to the async
 request with ``call_soon_threadsafe``. A new request therefore joins the running batch at the
 next step, and a blocking JAX step never stalls the event loop.
 
-Streaming responses are server-sent events in OpenAI's chunk format, one chunk per generated token
-(its text may be empty while a multi-byte character is incomplete), a final chunk with the
-finish reason, an optional usage chunk, then ``data: [DONE]``. Text is detokenized incrementally:
-the whole token list is decoded each time and the new suffix is sent.
+Nothing heavy runs on the event loop: the body is refused with 413 past ``max_body_bytes``
+(from ``Content-Length`` before it is read), a text prompt longer in bytes than any prompt of
+``max_model_len`` tokens is refused before tokenization, and tokenization and chat templating
+run in worker threads. So no request can keep ``/health`` waiting.
 
-Errors are OpenAI-style JSON (``{"error": {"message", "type", "param", "code"}}``): 400 for bad
-input (the engine's and SamplingParams' ValueError messages), 401 for a wrong API key, 429 with
-``Retry-After`` when the waiting queue is full. A client that disconnects mid-stream aborts its
-request, so its KV blocks return to the pool. Nothing a client sends stops the engine.
+Streaming responses are server-sent events in OpenAI's chunk format, one chunk per generated token
+(its text may be empty while a multi-byte character is incomplete or a stop string may be
+starting), a final chunk with the finish reason, an optional usage chunk, then ``data: [DONE]``.
+
+Errors are OpenAI-style JSON (``{"error": {"message", "type", "param", "code"}}``) for every
+status: 400 for bad input (the engine's and SamplingParams' ValueError messages), 401 for a
+wrong API key (every ``/v1/`` path needs it when one is set), 404, 405, 413, 415 for a body
+that is not JSON, 422, 429 with ``Retry-After`` when the waiting queue is full, 500 for a
+request the engine failed (only that request: the engine isolates it). A client that
+disconnects, streaming or not, aborts its request at once, so its KV blocks return to the pool.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
 import time
 from collections.abc import AsyncIterator
@@ -26,109 +34,78 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from research.engine.engine import Engine
-from research.engine.request import RequestOutput, SamplingParams
-from research.serve.engine_loop import APIError, EngineLoop
+from research.engine.request import RequestOutput
+from research.serve import protocol
+from research.serve.engine_loop import EngineLoop
+from research.serve.errors import APIError
+from research.serve.metrics import prometheus_text
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 
-def _field(body: dict, name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
-    """``body[name]`` checked against ``kind`` (a bool is no number); ``default`` if absent."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
-        raise APIError(400, f"'{name}' has the wrong type: {value!r}")
-    return value
+class _RequireAPIKey:
+    """ASGI middleware: every ``/v1/`` path (unknown ones too) needs ``Authorization: Bearer
+    KEY``; the scheme is case-insensitive (RFC 7235) and the key compared in constant time."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = header.strip().partition(b" ")
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)):
+                error = APIError(401, "invalid or missing API key", code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
-def _sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
-    if _field(body, "n", int, 1) != 1:
-        raise APIError(400, "only n=1 is supported")
-    stop = _field(body, "stop", (str, list)) or ()
-    max_tokens = _field(body, "max_completion_tokens", int) or _field(body, "max_tokens", int)
-    try:
-        return SamplingParams(
-            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-            temperature=float(_field(body, "temperature", (int, float), 1.0)),
-            top_p=float(_field(body, "top_p", (int, float), 1.0)),
-            top_k=_field(body, "top_k", int, 0),
-            seed=_field(body, "seed", int),
-            stop=(stop,) if isinstance(stop, str) else tuple(stop),
-            stop_token_ids=tuple(_field(body, "stop_token_ids", list) or ()),
-            ignore_eos=_field(body, "ignore_eos", bool, False),
-            skip_special_tokens=_field(body, "skip_special_tokens", bool, True),
-        )
-    except (ValueError, TypeError) as error:
-        raise APIError(400, str(error)) from None
+class _EventStream(StreamingResponse):
+    """A StreamingResponse that treats the client leaving as the normal end it is (no
+    traceback) and always closes its generator, whose ``finally`` aborts the request."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except (ClientDisconnect, OSError):
+            pass
+        finally:
+            await self.body_iterator.aclose()
 
 
-def _completion_prompt(body: dict, engine: Engine) -> tuple[list[int], str | None]:
-    """``prompt``: a string, a list of token ids, or a one-element list of either."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if engine.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer: send the prompt as token ids")
-        if not prompt:
-            raise APIError(400, "prompt is empty")
-        return engine.tokenizer.encode(prompt), prompt
-    if isinstance(prompt, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
-    ):
-        return prompt, None
-    raise APIError(400, "'prompt' must be a string or a list of token ids (one prompt per request)")
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """The raw body: 415 if it is declared as something other than JSON, 413 past
+    ``max_bytes`` (from ``Content-Length`` before reading, else while reading)."""
+    content_type = request.headers.get("content-type")
+    if content_type is not None:
+        media = content_type.split(";")[0].strip().lower()
+        if media != "application/json" and not media.endswith("+json"):
+            raise APIError(415, f"the body must be application/json, got {media!r}")
+    too_large = APIError(413, f"the request body is larger than {max_bytes} bytes")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
-def _chat_prompt(body: dict, engine: Engine) -> list[int]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "'messages' must be a non-empty list")
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, f"each message needs a 'role' and a 'content', got {m!r}")
-        if not isinstance(m.get("content"), str):
-            raise APIError(400, "message 'content' must be a string")
-    if engine.tokenizer is None:
-        raise APIError(400, "this model has no tokenizer, so chat is unavailable")
-    try:
-        return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except ValueError as error:
-        raise APIError(400, str(error)) from None
-
-
-# ---------------------------------------------------------------------------- the app
-
-
-class _Detokenizer:
-    """Incremental text: decode all tokens so far and return the part not yet sent. A trailing
-    incomplete character (U+FFFD) and, with stop strings, a possible stop-string prefix are held
-    back until more tokens (or the end) settle them."""
-
-    def __init__(self, engine: Engine, params: SamplingParams):
-        self.tokenizer = engine.tokenizer
-        self.params = params
-        self.hold = max((len(s) for s in params.stop), default=1) - 1
-        self.sent = ""
-
-    def delta(self, out: RequestOutput) -> str:
-        if self.tokenizer is None:
-            return ""
-        if out.finished:
-            text = out.text
-        else:
-            text = self.tokenizer.decode(out.token_ids, self.params.skip_special_tokens)
-            text = text[: len(text) - self.hold].rstrip("\ufffd")
-        if not text.startswith(self.sent) or len(text) <= len(self.sent):
-            return ""
-        new, self.sent = text[len(self.sent) :], text
-        return new
-
-
-def _sse(payload: dict | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body must have been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def create_app(
@@ -137,12 +114,16 @@ def create_app(
     served_model_name: str,
     max_waiting: int = 256,
     api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """The ASGI app serving ``llm_or_engine`` (an ``LLM`` or an ``Engine``) as
     ``served_model_name``; its ``EngineLoop`` starts and stops with the app's lifespan and is
     ``app.state.engine_loop``."""
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     engine: Engine = getattr(llm_or_engine, "engine", llm_or_engine)
     engine_loop = EngineLoop(engine, max_waiting)
+    prompt_byte_limit = protocol.max_prompt_bytes(engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -154,40 +135,58 @@ def create_app(
 
     app = FastAPI(title="research OpenAI-compatible server", lifespan=lifespan)
     app.state.engine_loop = engine_loop
+    if api_key is not None:
+        app.add_middleware(_RequireAPIKey, api_key=api_key)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
         return error.response()
 
-    def check_api_key(request: Request) -> None:
-        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
-            raise APIError(401, "invalid or missing API key", code="invalid_api_key")
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        return APIError(error.status_code, str(error.detail), headers=error.headers).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        return APIError(422, f"the request is malformed: {error.errors()}").response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, error: ClientDisconnect) -> Response:
+        return Response(status_code=400)  # nobody reads it: the client is gone
 
     async def parse(request: Request) -> dict:
         """The checked JSON body of a generation request."""
-        check_api_key(request)
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise APIError(400, f"the request body is not valid JSON: {error}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
+        body = protocol.parse_json_body(await _read_body(request, max_body_bytes))
         model = body.get("model", served_model_name)
         if model != served_model_name:
             raise APIError(
                 400,
-                f"the model {model!r} does not exist; this server serves {served_model_name!r}",
+                f"the model {protocol.short(model)} does not exist; this server serves "
+                f"{served_model_name!r}",
                 code="model_not_found",
             )
         return body
 
+    async def tokenize(text: str) -> list[int]:
+        try:
+            return await asyncio.to_thread(engine.tokenizer.encode, text)
+        except Exception as error:  # text the tokenizer cannot take is the client's error
+            raise APIError(400, f"the prompt could not be tokenized: {error}") from None
+
+    async def render_chat(messages: list[dict]) -> list[int]:
+        try:
+            return await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages, True)
+        except Exception as error:  # e.g. roles the template refuses
+            raise APIError(400, f"the chat template could not render: {error}") from None
+
     async def generate(
-        body: dict, prompt_ids: list[int], prompt: str | None, chat: bool
+        request: Request, body: dict, prompt_ids: list[int], prompt: str | None, chat: bool
     ) -> Response:
         default_max = 16 if not chat else max(1, engine.max_model_len - len(prompt_ids))
-        params = _sampling_params(body, default_max)
-        stream = _field(body, "stream", bool, False)
-        include_usage = bool((_field(body, "stream_options", dict) or {}).get("include_usage"))
+        params = protocol.sampling_params(body, default_max)
+        stream = protocol.field(body, "stream", bool, False)
+        options = protocol.field(body, "stream_options", dict) or {}
+        include_usage = bool(options.get("include_usage"))
         request_id, outputs = await engine_loop.add(prompt_ids, params, prompt)
         kind = "chatcmpl" if chat else "cmpl"
         header = {
@@ -195,7 +194,7 @@ def create_app(
             "created": int(time.time()),
             "model": served_model_name,
         }
-        detok = _Detokenizer(engine, params)
+        detok = protocol.Detokenizer(engine, params)
 
         def usage(out: RequestOutput) -> dict:
             n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
@@ -208,18 +207,29 @@ def create_app(
         async def next_output() -> RequestOutput:
             out = await outputs.get()
             if isinstance(out, Exception):
-                raise APIError(500, f"the engine failed: {out}", type="server_error")
+                raise APIError(500, f"the engine failed: {out}")
+            if out.finish_reason == "error":
+                raise APIError(500, f"the engine failed this request: {out.error}")
+            return out
+
+        async def final_output() -> RequestOutput:
+            while not (out := await next_output()).finished:
+                pass
             return out
 
         if not stream:
-            finished = False
+            result = asyncio.ensure_future(final_output())
+            left = asyncio.ensure_future(_until_disconnected(request))
             try:
-                while not (out := await next_output()).finished:
-                    pass
-                finished = True
+                await asyncio.wait({result, left}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                if not finished:
+                left.cancel()
+                if not result.done():  # the client left (or this handler was cancelled)
+                    result.cancel()
                     engine_loop.abort(request_id)
+            if not result.done() or result.cancelled():
+                return Response(status_code=499)  # nobody reads it: the client is gone
+            out = result.result()
             if chat:
                 choice = {"message": {"role": "assistant", "content": out.text}}
                 obj = "chat.completion"
@@ -248,7 +258,8 @@ def create_app(
                     try:
                         out = await next_output()
                     except APIError as error:
-                        yield _sse(json.loads(error.response().body))
+                        finished = True  # the engine already dropped it
+                        yield _sse(error.body())
                         break
                     yield _sse(chunk(detok.delta(out), out.finish_reason))
                     if out.finished:
@@ -263,22 +274,24 @@ def create_app(
                 if not finished:
                     engine_loop.abort(request_id)
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return _EventStream(events(), media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await parse(request)
-        prompt_ids, prompt = _completion_prompt(body, engine)
-        return await generate(body, prompt_ids, prompt, chat=False)
+        prompt = protocol.completion_prompt(body, engine, prompt_byte_limit)
+        if isinstance(prompt, str):
+            return await generate(request, body, await tokenize(prompt), prompt, chat=False)
+        return await generate(request, body, prompt, None, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await parse(request)
-        return await generate(body, _chat_prompt(body, engine), None, chat=True)
+        messages = protocol.chat_messages(body, engine, prompt_byte_limit)
+        return await generate(request, body, await render_chat(messages), None, chat=True)
 
     @app.get("/v1/models")
-    async def models(request: Request) -> dict:
-        check_api_key(request)
+    async def models() -> dict:
         entry = {
             "id": served_model_name,
             "object": "model",
@@ -303,40 +316,5 @@ def create_app(
     return app
 
 
-def prometheus_text(engine_loop: EngineLoop, model_name: str) -> str:
-    """The server's gauges and counters in Prometheus' text format, ``research:`` prefixed."""
-    s, c = engine_loop.stats, engine_loop.counters
-    label = f'{{model_name="{model_name}"}}'
-    gauges = [
-        ("num_requests_running", "Requests in the running batch.", s["num_running"]),
-        ("num_requests_waiting", "Requests waiting to be scheduled.", s["num_waiting"]),
-        ("kv_blocks_total", "KV-cache blocks in the pool.", s["kv_blocks_total"]),
-        ("kv_blocks_free", "KV-cache blocks free (incl. evictable cached).", s["kv_blocks_free"]),
-        (
-            "kv_blocks_used",
-            "KV-cache blocks held by requests.",
-            s["kv_blocks_total"] - s["kv_blocks_free"],
-        ),
-        (
-            "prefix_cache_hit_rate",
-            "Prefix-cache hits per block queried.",
-            s["prefix_cache_hit_rate"],
-        ),
-        ("num_steps", "Engine steps run.", s["num_steps"]),
-    ]
-    counters = [
-        ("requests_total", "Requests admitted into the engine.", c.requests),
-        ("requests_rejected_total", "Requests refused because the queue was full.", c.rejected),
-        ("prompt_tokens_total", "Prompt tokens of admitted requests.", c.prompt_tokens),
-        ("generation_tokens_total", "Tokens generated.", c.generation_tokens),
-    ]
-    lines = []
-    for kind, rows in (("gauge", gauges), ("counter", counters)):
-        for name, help_text, value in rows:
-            lines += [f"# HELP research:{name} {help_text}", f"# TYPE research:{name} {kind}"]
-            lines.append(f"research:{name}{label} {value}")
-    name = "research:request_finished_total"
-    lines += [f"# HELP {name} Finished requests by reason.", f"# TYPE {name} counter"]
-    for reason, count in sorted(c.finished.items()):
-        lines.append(f'{name}{{model_name="{model_name}",finished_reason="{reason}"}} {count}')
-    return "\n".join(lines) + "\n"
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"

@@ -1,0 +1,44 @@
+"""Prometheus text for ``/metrics``: the engine loop's gauges and counters."""
+
+from __future__ import annotations
+
+from research.serve.engine_loop import EngineLoop
+
+
+def prometheus_text(engine_loop: EngineLoop, model_name: str) -> str:
+    """The server's gauges and counters in Prometheus' text format, ``research:`` prefixed."""
+    s, c = engine_loop.stats, engine_loop.counters
+    label = f'{{model_name="{model_name}"}}'
+    gauges = [
+        ("num_requests_running", "Requests in the running batch.", s["num_running"]),
+        ("num_requests_waiting", "Requests waiting to be scheduled.", s["num_waiting"]),
+        ("kv_blocks_total", "KV-cache blocks in the pool.", s["kv_blocks_total"]),
+        ("kv_blocks_free", "KV-cache blocks free (incl. evictable cached).", s["kv_blocks_free"]),
+        (
+            "kv_blocks_used",
+            "KV-cache blocks held by requests.",
+            s["kv_blocks_total"] - s["kv_blocks_free"],
+        ),
+        (
+            "prefix_cache_hit_rate",
+            "Prefix-cache hits per block queried.",
+            s["prefix_cache_hit_rate"],
+        ),
+        ("num_steps", "Engine steps run.", s["num_steps"]),
+    ]
+    counters = [
+        ("requests_total", "Requests admitted into the engine.", c.requests),
+        ("requests_rejected_total", "Requests refused because the queue was full.", c.rejected),
+        ("prompt_tokens_total", "Prompt tokens of admitted requests.", c.prompt_tokens),
+        ("generation_tokens_total", "Tokens generated.", c.generation_tokens),
+    ]
+    lines = []
+    for kind, rows in (("gauge", gauges), ("counter", counters)):
+        for name, help_text, value in rows:
+            lines += [f"# HELP research:{name} {help_text}", f"# TYPE research:{name} {kind}"]
+            lines.append(f"research:{name}{label} {value}")
+    name = "research:request_finished_total"
+    lines += [f"# HELP {name} Finished requests by reason.", f"# TYPE {name} counter"]
+    for reason, count in sorted(c.finished.items()):
+        lines.append(f'{name}{{model_name="{model_name}",finished_reason="{reason}"}} {count}')
+    return "\n".join(lines) + "\n"
