@@ -69,6 +69,7 @@ class EngineBackend:
                 hardware=run.hardware.name,
                 gpu_memory_utilization=run.hardware.gpu_memory_utilization,
                 tensor_parallel_size=run.hardware.tensor_parallel_size,
+                cost_model_options={"moe_routing": run.hardware.moe_routing},
             )
         elif run.hardware.tensor_parallel_size > 1 or run.hardware.num_replicas > 1:
             raise ValueError("several boxes (TP or replicas) are modelled by executor=simulated")
@@ -271,6 +272,9 @@ def run_point(
         n_warmup = e.warmup_prompts_per_concurrency * concurrency
         backend.run(_requests(run, backend, n_warmup, seed + 7), concurrency, False)
     requests = _requests(run, backend, e.prompts_per_concurrency * concurrency, seed)
+    executor = _band_executor(run, backend)
+    if executor is not None:
+        executor.step_log = []
     before = backend.stats()
     result = backend.run(requests, concurrency, progress)
     after = backend.stats()
@@ -299,11 +303,39 @@ def run_point(
             "host_overhead_fraction": _delta(after, before, "host_time_s") / step_time,
             "new_compilations": int(_delta(after, before, "num_compilations")),
         }
-    return result_point(result, model_id=backend.model_id, extra=extra, goodput_slos=_slos(run))
+    point = result_point(result, model_id=backend.model_id, extra=extra, goodput_slos=_slos(run))
+    if executor is not None:
+        from research.perf.bands import band_keys, band_variants, retime
+
+        log, executor.step_log = executor.step_log, None
+        variants = band_variants(executor.cost_model)
+        point |= band_keys(
+            point, {k: retime(result, log, v).metrics() for k, v in variants.items()}
+        )
+    return point
+
+
+def _band_executor(run: RunConfig, backend: Backend) -> Any:
+    """The simulated executor whose steps the prediction band re-prices, or None."""
+    if not run.experiment.prediction_band:
+        return None
+    if run.executor.kind != "simulated":
+        raise ValueError("experiment.prediction_band needs executor=simulated")
+    if run.hardware.num_replicas > 1 or math.isfinite(run.workload.request_rate):
+        raise ValueError(
+            "experiment.prediction_band re-prices a closed loop on one box: use "
+            "hardware.num_replicas=1 and an infinite workload.request_rate"
+        )
+    return backend.engine.executor
 
 
 def run_experiment(run: RunConfig, out_dir: str | Path, progress: bool = True) -> list[dict]:
-    """The whole sweep: results.jsonl, plots and the W&B run land in ``out_dir``."""
+    """The whole sweep: results.jsonl, plots and the W&B run land in ``out_dir``.
+    ``experiment=validate_host`` runs ``experiments.validate_host`` instead."""
+    if run.experiment.name == "validate_host":
+        from experiments.validate_host import validate_host
+
+        return validate_host(run, out_dir)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = out_dir / "results.jsonl"
@@ -345,6 +377,10 @@ def run_experiment(run: RunConfig, out_dir: str | Path, progress: bool = True) -
             from research.bench.plots import plot_all
 
             paths = plot_all(points, out_dir)
+            if any("band_variants" in p for p in points):
+                from research.perf.bands import plot_prediction_bands
+
+                paths.append(plot_prediction_bands(points, out_dir / "prediction_bands.png"))
             tracker.log_plots(paths)
             print("plots:", ", ".join(str(p) for p in paths))
     finally:

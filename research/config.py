@@ -213,6 +213,7 @@ class HardwareConfig:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1  # simulated: boxes one model is split across (TP)
     num_replicas: int = 1  # simulated: independent boxes behind a random router (DP)
+    moe_routing: str = "sequence_locality"  # simulated: research.perf.routing.ROUTING_LAWS
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.num_replicas < 1:
@@ -261,6 +262,7 @@ class ExperimentConfig:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     slo_e2el_ms: float | None = None
+    prediction_band: bool = False  # simulated: rerun under research.perf.bands' variants
 
     def __post_init__(self) -> None:
         if not self.concurrencies or min(self.concurrencies) < 1:

@@ -31,7 +31,11 @@ class LLM:
     Args:
       model: preset name ("smollm2-135m", "tiny-llama", ...), a .gguf file, an HF directory
         (config.json + safetensors) or an orbax checkpoint written by ``save_checkpoint``.
-      dtype: "float32" or "bfloat16" for weights, activations and the KV cache.
+      dtype: "float32" or "bfloat16" for weights, activations and the KV cache; "auto" is the
+        checkpoint's (float32 for the dequantized GGUF and random-init presets) on the real
+        executor and bfloat16 (vLLM's default for these models) on the simulated one.
+      cost_model_options: simulated only: extra ``research.perf.CostModel`` keyword arguments
+        (``moe_routing``, ``params``, ...).
       max_model_len: longest prompt + generation; defaults to the model's context length.
       seed: seeds random-init presets and requests that give no seed of their own.
       The rest configure the engine with vLLM's names (see CacheConfig, SchedulerConfig).
@@ -41,7 +45,7 @@ class LLM:
         self,
         model: str = "smollm2-135m",
         *,
-        dtype: str = "float32",
+        dtype: str = "auto",
         max_model_len: int | None = None,
         seed: int = 0,
         max_num_seqs: int = 64,
@@ -60,11 +64,14 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         tensor_parallel_size: int = 1,
         poison_freed_blocks: bool = False,
+        cost_model_options: dict[str, Any] | None = None,
     ):
         if not isinstance(model, str) or not model:
             raise ValueError(f"model must be a preset name or a path, got {model!r}")
+        if dtype == "auto":
+            dtype = "bfloat16" if executor == "simulated" else "float32"
         if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
         _check_engine_args(
             max_model_len=max_model_len,
             seed=seed,
@@ -132,6 +139,8 @@ class LLM:
                 kv_cache_dtype,
                 dtype,
                 tensor_parallel_size=tensor_parallel_size,
+                block_size=block_size,
+                **(cost_model_options or {}),
             )
             sim = SimulatedExecutor(cost)
         else:

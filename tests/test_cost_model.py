@@ -16,32 +16,60 @@ from research.perf.calibration import (
     CALIBRATION_POINTS,
     calibration_report,
     fit_calibration,
+    format_leave_one_out,
+    leave_one_out,
     predict_single_stream,
 )
 from research.perf.cost_model import (
+    MOE_ROUTINGS,
+    OPERATORS,
     CostModel,
+    CostParams,
     StepShape,
     expected_distinct_experts,
     step_shape_from_plan,
 )
 from research.perf.kv_capacity import weight_bytes
+from research.perf.routing import distinct_experts
 
 QWEN = "qwen3-coder-30b-a3b"
 LLAMA = "llama-3.3-70b"
 
 
-def test_calibration_points_met_within_5_percent():
-    rows = calibration_report()
-    assert len(rows) == 4
-    for row in rows:
-        assert abs(row["error_pct"]) < 5.0, row
-    # The stored calibration is the fit of the published points, not a hand-typed constant.
-    assert fit_calibration(CALIBRATION_POINTS) == CALIBRATED["gb10"]
+def test_fit_never_exceeds_measured_peaks_and_meets_the_fitted_points():
     p = CALIBRATED["gb10"]
-    assert 0.5 < p.bandwidth_efficiency <= 1.0
-    assert 0.2 < p.compute_efficiency <= 1.0
+    assert fit_calibration(CALIBRATION_POINTS) == p  # computed from the points, not typed in
+    for name in ("bandwidth_efficiency", "dense_gemm_efficiency", "expert_gemm_efficiency"):
+        assert 0.0 < getattr(p, name) <= 1.0, name
+    assert 0.0 < p.moe_concentration <= 1.0
     assert 0.0 <= p.per_step_overhead_s < 0.01
-    assert 0.0 < p.moe_hot_fraction <= 1.0
+    rows = calibration_report()
+    assert len(rows) == 5
+    for row in rows:
+        # Llama's 186 ms TTFT asks for more than the measured 91 TFLOP/s bf16 matmul: the fit
+        # stops at the peak and leaves that residual (about +13%) in place.
+        limit = 15.0 if (row["point"], row["metric"]) == ("llama-128", "ttft_ms") else 3.0
+        assert abs(row["error_pct"]) < limit, row
+
+
+def test_llama_decode_predicted_from_qwen_points_alone():
+    """Fit on the two Qwen points only; the 70B's bandwidth-bound decode is a prediction."""
+    params = fit_calibration([pt for pt in CALIBRATION_POINTS if pt.name != "llama-128"])
+    (row,) = [
+        r for r in calibration_report([CALIBRATION_POINTS[1]], params) if r["metric"] == "tpot_ms"
+    ]
+    assert abs(row["error_pct"]) < 5.0, row
+
+
+def test_leave_one_out_predicts_each_held_out_point():
+    rows = leave_one_out()
+    assert {r["held_out"] for r in rows} == {pt.name for pt in CALIBRATION_POINTS}
+    for r in rows:
+        assert r["point"] == r["held_out"]
+        assert math.isfinite(r["predicted"]) and r["predicted"] > 0
+        # The held-out point was not fitted: its fit differs from the all-points fit.
+        assert r["params"] != CALIBRATED["gb10"]
+    assert "held out" in format_leave_one_out(rows)
 
 
 def test_single_stream_matches_reference_figures():
@@ -50,7 +78,7 @@ def test_single_stream_matches_reference_figures():
     assert qwen["tok_s"] == pytest.approx(80.9, rel=0.05)
     assert llama["tok_s"] == pytest.approx(6.0, rel=0.05)
     assert qwen["ttft_ms"] == pytest.approx(37, rel=0.05)
-    assert llama["ttft_ms"] == pytest.approx(186, rel=0.05)
+    assert llama["ttft_ms"] == pytest.approx(186, rel=0.15)
 
 
 @pytest.mark.parametrize("model", [QWEN, LLAMA])
@@ -96,64 +124,109 @@ def test_moe_routing_laws_order():
     shape = StepShape.prefill(128)
     by = {
         r: CostModel(QWEN, "awq", "gb10", moe_routing=r).breakdown(shape)
-        for r in ("hot_set", "uniform", "all")
+        for r in ("hot_set", "sequence_locality", "uniform", "all")
     }
     assert by["all"]["distinct_experts_per_layer"] == 128
-    assert (
-        by["hot_set"]["distinct_experts_per_layer"]
-        < by["uniform"]["distinct_experts_per_layer"]
-        <= 128
+    hot, local, uniform = (
+        by[r]["distinct_experts_per_layer"] for r in ("hot_set", "sequence_locality", "uniform")
     )
-    one = CostModel(QWEN, "awq", "gb10").breakdown(StepShape.decode(1, 128))
-    assert one["distinct_experts_per_layer"] == pytest.approx(8.0)
+    assert hot == pytest.approx(local)  # one sequence: the same working set
+    assert local < uniform <= 128
+    for law in MOE_ROUTINGS[:-1]:
+        one = CostModel(QWEN, "awq", "gb10", moe_routing=law).breakdown(StepShape.decode(1, 128))
+        assert one["distinct_experts_per_layer"] == pytest.approx(8.0)
+
+
+def test_default_law_spreads_independent_decodes_over_all_experts():
+    """A load-balanced router spreads independent requests: the default law's distinct experts
+    never decrease with batch and reach >= 95% of the 128 experts at 256 decode tokens."""
+    cm = CostModel("qwen3-30b-a3b", "awq", "gb10")
+    counts = [cm.distinct_experts((1,) * b) for b in range(1, 513)]
+    assert all(b >= a - 1e-9 for a, b in itertools.pairwise(counts))
+    assert counts[255] >= 0.95 * 128
+    # ...while one 256-token prompt stays on its own working set.
+    assert cm.distinct_experts(256) < 0.95 * 128
+    # The global hot set caps every batch, which is why it is not the default.
+    hot = CostModel("qwen3-30b-a3b", "awq", "gb10", moe_routing="hot_set")
+    assert hot.distinct_experts((1,) * 256) < 0.95 * 128
+
+
+def test_sequence_locality_monte_carlo():
+    rng = np.random.default_rng(1)
+    e, k, w = 128, 8, 40
+    for seqs in ((1,) * 16, (32,), (32, 32, 1, 1), (4,) * 8):
+        hits = []
+        for _ in range(1000):
+            touched = set()
+            for n in seqs:
+                pool = rng.choice(e, w, replace=False)
+                for _ in range(n):
+                    touched.update(rng.choice(pool, k, replace=False).tolist())
+            hits.append(len(touched))
+        want = distinct_experts("sequence_locality", e, k, seqs, w / e)
+        assert np.mean(hits) == pytest.approx(want, rel=0.02), seqs
 
 
 @pytest.mark.parametrize("model", [QWEN, LLAMA])
 @pytest.mark.parametrize("shape", [StepShape.decode(1, 300), StepShape.prefill(512, 64)])
 def test_breakdown_sums(model, shape):
     bd = CostModel(model, "awq", "gb10").breakdown(shape)
-    parts = [k for k in bd if k.startswith("bytes_") and k != "bytes_total"]
-    assert bd["bytes_total"] == pytest.approx(sum(bd[k] for k in parts))
-    fparts = ("flops_linear", "flops_lm_head", "flops_attention")
-    assert bd["flops_total"] == pytest.approx(sum(bd[k] for k in fparts))
-    assert bd["total_s"] == pytest.approx(
-        max(bd["memory_time_s"], bd["compute_time_s"]) + bd["overhead_s"]
-    )
+    assert bd["bytes_total"] == pytest.approx(sum(bd[f"{op}_bytes"] for op in OPERATORS))
+    assert bd["flops_total"] == pytest.approx(sum(bd[f"{op}_flops"] for op in OPERATORS))
+    assert bd["kernels_s"] == pytest.approx(sum(bd[f"{op}_s"] for op in OPERATORS))
+    assert bd["total_s"] == pytest.approx(bd["kernels_s"] + bd["allreduce_s"] + bd["overhead_s"])
+
+
+def test_each_operator_is_its_own_roofline():
+    """A 2048-token prefill: GEMMs compute bound, while the sum over operators exceeds the old
+    max(all bytes, all FLOPs) of the whole step."""
+    cm = CostModel(LLAMA, "awq", "gb10")
+    bd = cm.breakdown(StepShape.prefill(2048))
+    peak = cm.hw.sustained_flops("bf16")
+    assert bd["dense_gemm_s"] == pytest.approx(bd["dense_gemm_flops"] / peak / 1.0, rel=0.01)
+    whole = max(bd["bytes_total"] / cm.hw.achievable_bandwidth, bd["flops_total"] / peak)
+    assert bd["kernels_s"] > whole
 
 
 def test_dense_70b_step_reads_all_weights():
     cm = CostModel(LLAMA, "awq", "gb10")
-    bd = cm.breakdown(StepShape.decode(1, 128))
-    weights = bd["bytes_dense_weights"] + bd["bytes_lm_head"]
     embed = 128256 * 8192 * 2  # the embedding table is looked up, not streamed
-    assert weights == pytest.approx(weight_bytes(LLAMA, "awq") - embed, rel=1e-6)
-    assert bd["bytes_total"] == pytest.approx(weights, rel=0.01)
+    assert cm.dense_layer_bytes + cm.lm_head_bytes == pytest.approx(
+        weight_bytes(LLAMA, "awq") - embed, rel=1e-6
+    )
+    bd = cm.breakdown(StepShape.decode(1, 128))
+    assert bd["bytes_total"] == pytest.approx(cm.dense_layer_bytes + cm.lm_head_bytes, rel=0.01)
 
 
 def test_moe_all_routing_reads_all_weights():
-    bd = CostModel(QWEN, "awq", "gb10", moe_routing="all").breakdown(StepShape.decode(1, 0))
-    weights = bd["bytes_dense_weights"] + bd["bytes_expert_weights"] + bd["bytes_lm_head"]
+    cm = CostModel(QWEN, "awq", "gb10", moe_routing="all")
+    experts = cm.distinct_experts(1) * sum(cm.expert_bytes_per_layer)
     embed = 151936 * 2048 * 2
-    assert weights == pytest.approx(weight_bytes(QWEN, "awq") - embed, rel=1e-6)
+    assert cm.dense_layer_bytes + experts + cm.lm_head_bytes == pytest.approx(
+        weight_bytes(QWEN, "awq") - embed, rel=1e-6
+    )
 
 
 def test_prefill_attention_flops_quadratic():
     cm = CostModel(LLAMA, "awq", "gb10")
-    a1 = cm.breakdown(StepShape.prefill(1024))["flops_attention"]
-    a2 = cm.breakdown(StepShape.prefill(2048))["flops_attention"]
+    a1 = cm.breakdown(StepShape.prefill(1024))["attention_flops"]
+    a2 = cm.breakdown(StepShape.prefill(2048))["attention_flops"]
     assert a2 > 3.9 * a1
     # Causal keys including self: n(n+1)/2 per layer and head.
     assert a1 == 4 * 64 * 128 * 80 * (1024 * 1025 // 2)
     # A chunk after a cached prefix reads the same keys as the tail of a whole prefill.
-    tail = cm.breakdown(StepShape.prefill(1024, 1024))["flops_attention"]
+    tail = cm.breakdown(StepShape.prefill(1024, 1024))["attention_flops"]
     assert a1 + tail == pytest.approx(a2)
 
 
-def test_kv_read_once_per_sequence():
-    cm = CostModel(LLAMA, "awq", "gb10")
+def test_kv_read_once_per_sequence_in_whole_pages():
+    cm = CostModel(LLAMA, "awq", "gb10", block_size=16)
+    (work,) = cm.work(StepShape(((256, 100), (1, 50))))
+    assert work.kv_read_tokens == (23 + 4) * 16  # ceil(356/16) + ceil(51/16) pages
+    assert work.kv_write_tokens == 257
     bd = cm.breakdown(StepShape(((256, 100), (1, 50))))
-    assert bd["bytes_kv_read"] == (356 + 51) * cm.kv_bytes_per_token
-    assert bd["bytes_kv_write"] == 257 * cm.kv_bytes_per_token
+    kv = work.kv_read_tokens * cm.kv_bytes_per_token / cm.page_efficiency
+    assert bd["attention_bytes"] == pytest.approx(kv + 257 * cm.kv_bytes_per_token)
 
 
 def test_step_shape_from_plan_duck_typed():
@@ -185,6 +258,8 @@ def test_no_jax_import():
 def test_bad_inputs():
     with pytest.raises(ValueError):
         StepShape(((0, 5),))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="moe_routing"):
         CostModel(QWEN, "awq", "gb10", moe_routing="zipf")
+    with pytest.raises(ValueError, match="never above a peak"):
+        CostParams(1.2, 0.0)
     assert math.isfinite(CostModel(QWEN, None, "h200").step_time(StepShape.decode(256, 4096)))

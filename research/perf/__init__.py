@@ -8,7 +8,6 @@ any machine.
 
 from typing import Any
 
-from research.perf.calibration import CALIBRATED, calibration_report, predict_single_stream
 from research.perf.cost_model import CostModel, CostParams, StepShape
 from research.perf.hardware import (
     HARDWARE,
@@ -30,6 +29,7 @@ from research.perf.kv_capacity import (
     weight_bytes,
 )
 
+_CALIBRATION = ("CALIBRATED", "calibration_report", "params_for", "predict_single_stream")
 # The sizing names load on first use: ``python -m research.perf.sizing`` must find the module
 # not yet imported (runpy warns otherwise).
 _SIZING = (
@@ -44,6 +44,10 @@ _SIZING = (
 
 
 def __getattr__(name: str) -> Any:
+    if name in _CALIBRATION:  # fitted on first use; `python -m` finds the module unimported
+        from research.perf import calibration
+
+        return getattr(calibration, name)
     if name in _SIZING:
         from research.perf import sizing
 
@@ -73,6 +77,7 @@ __all__ = [
     "kv_capacity_blocks",
     "kv_capacity_tokens",
     "max_users_for_streams",
+    "params_for",
     "predict_single_stream",
     "quantized_bytes",
     "register_hardware",

@@ -1,67 +1,52 @@
-"""Price one engine step on a named machine: bytes moved, FLOPs, and a roofline with overheads.
+"""Price one engine step on a named machine, operator class by operator class.
 
 A step is described by ``StepShape``: one ``(num_new_tokens, context_before)`` pair per scheduled
 sequence (``context_before`` = tokens of that sequence already in the KV cache). ``CostModel``
-turns it into seconds::
+turns it into ``StepWork`` (what the kernels process: rows through the GEMMs, logits rows, KV
+tokens and pages read, query-key pairs) and prices every kernel class on its own roofline::
 
-    time = max(bytes / (bandwidth_efficiency * hw.achievable_bandwidth),
-               flops / (compute_efficiency * hw.tensor_flops[compute dtype]))
-           + per_step_overhead_s + num_layers * per_layer_overhead_s
+    op_time  = max(op_bytes / (bandwidth_efficiency * hw.achievable_bandwidth),
+                   op_flops / op_throughput)                       (per operator class)
+    step     = sum(op_time) / tp + allreduce + per_step_overhead_s + per_seq_overhead_s * seqs
 
-Bytes read/written per step (``CostModel.breakdown`` keeps every term):
+Operator classes (``CostModel.breakdown`` keeps each one's bytes, FLOPs and seconds):
 
-- dense weights: every non-expert layer weight (q/k/v/o projections, norms, MoE router, a dense
-  model's MLP) read once per step, whatever the batch; final norm and lm_head read once (the
-  lm_head matmul streams the whole [hidden, vocab] matrix for the logits rows, one row per
-  scheduled sequence); the embedding lookup reads only the rows of the step's tokens
-  (tokens * hidden * dtype bytes: negligible, but counted). Quantized layouts are
-  ``kv_capacity.quantized_bytes`` (AWQ/NVFP4/MXFP4/FP8: codes, scales and zeros); embedding,
-  lm_head, norms and router stay in ``dtype``, as ``kv_capacity.weight_bytes`` counts them.
-- MoE experts: per layer, the expected number of DISTINCT experts the step's T tokens route to,
-  times the stored bytes of one expert (gate + up + down). ``moe_routing`` picks the law:
+- ``dense_gemm``: q/k/v/o projections, the MoE router and a dense model's MLP. Bytes: every
+  such weight as stored (``kv_capacity.quantized_bytes`` for AWQ / NVFP4 / MXFP4 / FP8; router
+  and norms in ``dtype``) + the activations in and out; FLOPs ``2 * params * tokens``.
+- ``expert_gemm``: the grouped expert GEMMs. Bytes: the DISTINCT experts the step routes to per
+  layer (``research.perf.routing``, law ``moe_routing``) times one expert's stored bytes, plus
+  the routed activations; FLOPs ``2 * k * expert_params * tokens``.
+- ``attention``: per layer, K and V of every sequence's context read once (flash style), as
+  whole pages (the last page is read in full), plus the new K/V written; FLOPs
+  ``4 * heads * head_dim`` per causal query-key pair. Small pages cost bandwidth: each page and
+  kv head is a separate gather behind a page-table read, priced as ``PAGE_OVERHEAD_BYTES`` extra
+  per transfer (``page_efficiency``).
+- ``lm_head``: the [hidden, vocab] matrix streamed once, one logits row per scheduled sequence
+  (vLLM computes logits for the last token only), and the sampler's ``SAMPLER_PASSES`` passes
+  over the float32 logits.
+- ``elementwise``: norms, RoPE, residual adds, the SwiGLU product, the embedding rows:
+  ``ELEMENTWISE_BYTES_PER_ELEMENT`` bytes per token, hidden element and layer. Memory bound.
+- ``allreduce`` (tensor parallel over ``tp`` boxes): two ring all-reduces per layer of
+  ``tokens * hidden`` activations over the interconnect, plus a fixed latency each.
 
-  * ``"uniform"``: each token picks k of E experts uniformly and independently:
-    ``E * (1 - (1 - k/E)**T)``;
-  * ``"hot_set"`` (the calibrated default): the same law over a hot set of
-    ``E_eff = moe_hot_fraction * E`` experts: ``E_eff * (1 - (1 - k/E_eff)**T)``. Real routing is
-    far from uniform: the published 37 ms TTFT of Qwen3-Coder-30B-A3B AWQ for a 128-token prompt
-    on GB10 is below the ~65 ms it takes to stream all 128 experts' 4-bit weights at GB10's
-    measured read bandwidth, which "uniform" would charge (128 tokens * 8 picks touch ~all 128
-    experts). ``moe_hot_fraction`` is the one free parameter that point determines;
-  * ``"all"``: every expert every step (an upper bound).
+GEMM throughput depends on the weight format (``gemm_format``): bf16 / fp16 / fp8 W8A8 / native
+FP4 (NVFP4, MXFP4 where the machine has an FP4 tensor path) feed the tensor cores directly and run
+at ``native_gemm_efficiency`` of the machine's sustained rate for that type
+(``Hardware.sustained_flops``); W4A16 formats that dequantize in the inner loop (AWQ; FP4 on a
+machine without an FP4 path; FP8 without an FP8 path) run at ``dense_gemm_efficiency`` (dense) or
+``expert_gemm_efficiency`` (grouped experts) of the bf16 sustained rate. Attention runs at
+``attention_efficiency`` of the bf16 sustained rate. Efficiencies are fractions <= 1: no
+operator is ever priced above a measured peak.
 
-- KV read: for every sequence, its whole context (``context_before + num_new_tokens``) once per
-  layer, K and V, at ``kv_capacity.kv_bytes_per_token`` (flash-attention style: a prefill chunk
-  reads the context once per layer, not once per query token). Sliding-window layers (gpt-oss)
-  are priced as full attention, as our paged pool stores them.
-- KV written: new tokens * ``kv_bytes_per_token``.
-- activations: ``ACTIVATION_BYTES_PER_ELEMENT`` bytes per token * hidden * layer (the bf16
-  residual stream read and written around attention and MLP: ~4 accesses of 2 bytes); small.
-
-FLOPs per step:
-
-- linear: 2 * active params per new token; active = dense layer weights + k experts' weights per
-  layer for MoE (embedding lookup and lm_head excluded here);
-- lm_head: 2 * hidden * vocab per logits row (one per scheduled sequence);
-- attention: per layer and per new token at chunk position i (0-based),
-  ``4 * heads * head_dim * (context_before + i + 1)`` (QK^T and PV over the causal keys including
-  itself), i.e. the quadratic term of a prefill.
-
-Compute dtype (which tensor-core peak the compute term uses): bf16 for unquantized bf16 weights
-and for W4A16 AWQ (dequantized to bf16 in the GEMM); fp8 for FP8 W8A8; NVFP4 / MXFP4 use the
-machine's fp4 peak if it has one (GB10) and bf16 otherwise (H200 has no FP4 tensor path: the
-weights are dequantized and multiplied in bf16); float32 weights use the bf16 peak halved (TF32).
-
-The free parameters (``CostParams``) are fitted in ``research.perf.calibration``, only on the
-published single-stream points; ``CostModel`` uses that fit by default.
-
-Pure Python: JAX is not imported.
+The free parameters (``CostParams``) are fitted in ``research.perf.calibration`` on single-request
+points only; ``CostModel`` uses that fit by default. Pure Python: JAX is not imported.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from research.config import QUANTIZATION_CHOICES, ModelConfig
@@ -73,15 +58,29 @@ from research.perf.kv_capacity import (
     quantized_bytes,
     resolve_model,
 )
+from research.perf.routing import (
+    DEFAULT_ROUTING,
+    ROUTING_LAWS,
+    distinct_experts,
+    expected_distinct_experts,
+)
 from research.quant.layout import QUANTIZED_KEYS
 
-MOE_ROUTINGS = ("hot_set", "uniform", "all")
+MOE_ROUTINGS = ROUTING_LAWS
 EXPERT_KEYS = ("w_gate", "w_up", "w_down")
-# Bytes per token, hidden element and layer for the residual stream (bf16, ~4 accesses/layer).
-ACTIVATION_BYTES_PER_ELEMENT = 8
-
-
-# --------------------------------------------------------------------------------------- shapes
+# Norms (2 per layer), RoPE, residual adds (2), SwiGLU product: ~8 reads/writes of a hidden
+# vector per token and layer, in the activation dtype.
+ELEMENTWISE_ACCESSES = 8
+# The sampler's passes over [rows, vocab] float32 logits (softmax / penalties / top-k-p / argmax).
+SAMPLER_PASSES = 4
+# One page gather of the attention kernel: a dependent page-table read plus a partly used DRAM
+# burst at the transfer's ends, expressed as bytes of bandwidth lost per page and kv head
+# (an assumption, not fitted; it sets how much small pages cost, see ``page_efficiency``).
+PAGE_OVERHEAD_BYTES = 256
+# One all-reduce's fixed cost between two boxes (launch + RDMA round trip); an assumption, not
+# fitted (the calibration points are single-box).
+ALLREDUCE_LATENCY_S = 20e-6
+OPERATORS = ("dense_gemm", "expert_gemm", "attention", "lm_head", "elementwise")
 
 
 @dataclass(frozen=True)
@@ -126,75 +125,80 @@ def step_shape_from_plan(plan: Any) -> StepShape:
     return StepShape(tuple((s.num_new_tokens, s.start) for s in items))
 
 
-# ---------------------------------------------------------------------------------- parameters
+@dataclass(frozen=True)
+class StepWork:
+    """What one kernel launch sequence processes (one call of the model's forward)."""
+
+    tokens: int  # rows through the GEMMs (packed; padded where the engine pads)
+    logits_rows: int  # rows through lm_head and the sampler
+    seq_tokens: tuple[int, ...]  # real new tokens per sequence (the routing law reads these)
+    kv_read_tokens: float  # K/V tokens read per layer, summed over sequences (whole pages)
+    kv_pages: float  # pages read per layer and kv head
+    attention_pairs: float  # query-key pairs per layer and head
+    kv_write_tokens: int
 
 
 @dataclass(frozen=True)
 class CostParams:
-    """The few free parameters of the cost model.
+    """The free parameters of the cost model (module docstring); efficiencies are in (0, 1].
 
-    bandwidth_efficiency: fraction of ``Hardware.achievable_bandwidth`` a step's reads reach.
-    compute_efficiency: fraction of the tensor-core peak of the compute dtype a step reaches.
-    per_step_overhead_s: fixed seconds per step (scheduling, sampling, launches, host sync).
-    per_layer_overhead_s: fixed seconds per layer per step (kernel launches, small ops).
-    moe_hot_fraction: for ``moe_routing="hot_set"``, the share of each layer's experts that
-        routing effectively spreads over (1.0 = uniform).
+    bandwidth_efficiency: fraction of ``Hardware.achievable_bandwidth`` the reads reach.
+    per_step_overhead_s: host seconds per step (scheduling, launches, sync), whatever the batch.
+    per_seq_overhead_s: host seconds per scheduled sequence per step (scheduling, sampling
+        bookkeeping, detokenizing): what makes host time grow with the batch.
+    dense_gemm_efficiency / expert_gemm_efficiency: W4A16 (dequantizing) dense and grouped expert
+        GEMMs, fraction of the bf16 sustained rate.
+    native_gemm_efficiency: GEMMs whose operands go to the tensor cores as stored.
+    attention_efficiency: attention FLOPs, fraction of the bf16 sustained rate.
+    moe_concentration: working-set fraction of the ``sequence_locality`` / ``hot_set`` laws.
     """
 
     bandwidth_efficiency: float
-    compute_efficiency: float
     per_step_overhead_s: float
-    per_layer_overhead_s: float = 0.0
-    moe_hot_fraction: float = 1.0
+    per_seq_overhead_s: float = 0.0
+    dense_gemm_efficiency: float = 1.0
+    expert_gemm_efficiency: float = 1.0
+    native_gemm_efficiency: float = 1.0
+    attention_efficiency: float = 1.0
+    moe_concentration: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("bandwidth_efficiency", "compute_efficiency", "moe_hot_fraction"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.moe_hot_fraction > 1:
-            raise ValueError(f"moe_hot_fraction must be <= 1, got {self.moe_hot_fraction}")
-        if self.per_step_overhead_s < 0 or self.per_layer_overhead_s < 0:
-            raise ValueError("overheads must be >= 0")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_s"):
+                if value < 0:
+                    raise ValueError(f"{f.name} must be >= 0, got {value}")
+            elif not 0.0 < value <= 1.0:
+                raise ValueError(f"{f.name} must be in (0, 1] (never above a peak), got {value}")
 
 
-def expected_distinct_experts(num_experts: float, top_k: int, num_tokens: int) -> float:
-    """Expected distinct experts hit when ``num_tokens`` tokens each pick ``top_k`` of
-    ``num_experts`` uniformly at random: ``E * (1 - (1 - k/E)**T)`` (each expert is missed by a
-    token with probability 1 - k/E, independently across tokens)."""
-    if num_tokens <= 0:
-        return 0.0
-    if not 0 < top_k <= num_experts:
-        raise ValueError(f"need 0 < top_k ({top_k}) <= num_experts ({num_experts})")
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
-
-
-def compute_dtype(
+def gemm_format(
     quantization: str | None, hw: Hardware, dtype: Any = "bfloat16"
-) -> tuple[str, float]:
-    """(tensor dtype, FLOP/s peak) the compute term uses; see the module docstring."""
-    if quantization == "fp8" and "fp8" in hw.tensor_flops:
-        return "fp8", hw.tensor_flops["fp8"]
-    if quantization in ("nvfp4", "mxfp4") and "fp4" in hw.tensor_flops:
-        return "fp4", hw.tensor_flops["fp4"]
-    if quantization is None and dtype_bytes(dtype) == 4:
-        return "tf32", hw.tensor_flops["bf16"] / 2
-    return "bf16", hw.tensor_flops["bf16"]
+) -> tuple[str, bool]:
+    """(tensor dtype the GEMM runs in, whether weights are dequantized in the inner loop)."""
+    if quantization == "fp8":
+        return ("fp8", False) if "fp8" in hw.tensor_flops else ("bf16", True)
+    if quantization in ("nvfp4", "mxfp4"):
+        return ("fp4", False) if "fp4" in hw.tensor_flops else ("bf16", True)
+    if quantization == "awq":
+        return "bf16", True
+    if dtype_bytes(dtype) == 4:
+        return ("fp32" if "fp32" in hw.tensor_flops else "tf32"), False
+    return "bf16", False
 
 
-# ---------------------------------------------------------------------------------- cost model
-
-
-# One all-reduce's fixed cost between two boxes (launch + RDMA round trip); an assumption, not
-# fitted (the calibration points are single-box).
-ALLREDUCE_LATENCY_S = 20e-6
+def page_efficiency(block_size: int, head_dim: int, kv_element_bytes: float) -> float:
+    """Share of the bandwidth a paged attention kernel gets: a page of ``block_size`` tokens
+    moves ``block_size * head_dim * bytes`` per kv head for K (and again for V) behind one
+    page-table lookup, ``x / (x + PAGE_OVERHEAD_BYTES)``. bf16, head_dim 128: 89% at 8-token
+    pages, 94% at 16, 98.5% at 64."""
+    x = block_size * head_dim * kv_element_bytes
+    return x / (x + PAGE_OVERHEAD_BYTES)
 
 
 class CostModel:
     """Seconds per step of ``model`` at ``quantization`` on ``hardware`` (module docstring).
-
-    ``params`` defaults to the calibration for the machine
-    (``research.perf.calibration.params_for(hardware)``).
-    """
+    ``params`` defaults to the calibration of the machine (``calibration.params_for``)."""
 
     def __init__(
         self,
@@ -204,19 +208,20 @@ class CostModel:
         kv_cache_dtype: str = "auto",
         dtype: Any = "bfloat16",
         params: CostParams | None = None,
-        moe_routing: str = "hot_set",
+        moe_routing: str = DEFAULT_ROUTING,
         tensor_parallel_size: int = 1,
         allreduce_latency_s: float = ALLREDUCE_LATENCY_S,
+        block_size: int = 16,
     ) -> None:
         if quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}")
-        if moe_routing not in MOE_ROUTINGS:
-            raise ValueError(f"moe_routing must be one of {MOE_ROUTINGS}, got {moe_routing!r}")
+        if moe_routing not in ROUTING_LAWS:
+            raise ValueError(f"moe_routing must be one of {ROUTING_LAWS}, got {moe_routing!r}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.cfg = resolve_model(model)
         self.hw = get_hardware(hardware)
-        self.quantization = quantization
-        self.kv_cache_dtype = kv_cache_dtype
-        self.dtype = dtype
+        self.quantization, self.kv_cache_dtype, self.dtype = quantization, kv_cache_dtype, dtype
         if params is None:
             from research.perf.calibration import params_for  # the fit prices with CostModel
 
@@ -227,12 +232,19 @@ class CostModel:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         if tensor_parallel_size > 1 and not self.hw.interconnect_bandwidth:
             raise ValueError(f"{self.hw.name} has no interconnect to a second box in its data")
-        self.tp = tensor_parallel_size
-        self.allreduce_latency_s = allreduce_latency_s
-        self.compute_dtype, self.peak_flops = compute_dtype(quantization, self.hw, dtype)
+        self.tp, self.allreduce_latency_s, self.block_size = (
+            tensor_parallel_size,
+            allreduce_latency_s,
+            block_size,
+        )
+        self.compute_dtype, self.dequantizes = gemm_format(quantization, self.hw, dtype)
+        self.peak_flops = self.hw.sustained_flops(self.compute_dtype)
         self.kv_bytes_per_token = kv_bytes_per_token(self.cfg, kv_cache_dtype, dtype)
+        kv_elem = self.kv_bytes_per_token / (2 * self.cfg.num_layers * self.cfg.num_kv_heads)
+        self.page_efficiency = page_efficiency(block_size, self.cfg.head_dim, kv_elem)
 
         cfg, elem = self.cfg, dtype_bytes(dtype)
+        self.act_bytes = elem  # activations between kernels are in the model dtype
         shapes = param_shapes(cfg)
 
         def stored(key: str, shape: tuple[int, ...]) -> int:
@@ -242,6 +254,7 @@ class CostModel:
 
         self.dense_layer_bytes = 0  # all layers, non-expert weights
         self.dense_layer_params = 0
+        self.dense_io_elements = 0  # in + out activation elements per token, all dense GEMMs
         self.expert_bytes_per_layer: list[int] = []  # one expert's gate+up+down, per layer
         self.expert_params = 0  # one expert's params (per layer)
         for layer in shapes["layers"]:
@@ -253,6 +266,8 @@ class CostModel:
                 else:
                     self.dense_layer_bytes += stored(key, shape)
                     self.dense_layer_params += math.prod(shape)
+                    if len(shape) == 2:
+                        self.dense_io_elements += sum(shape)
             if cfg.is_moe:
                 self.expert_bytes_per_layer.append(per_expert)
         head_shape = shapes.get("lm_head", shapes["embed"])
@@ -264,73 +279,132 @@ class CostModel:
 
     # ------------------------------------------------------------------ pieces
 
-    def distinct_experts(self, num_tokens: int) -> float:
-        """Expected distinct experts per layer the step's ``num_tokens`` tokens route to."""
+    def distinct_experts(self, tokens_per_seq: int | tuple[int, ...]) -> float:
+        """Expected distinct experts per layer for a step (one int = one sequence's tokens)."""
         cfg = self.cfg
-        if not cfg.is_moe or num_tokens <= 0:
+        if not cfg.is_moe:
             return 0.0
-        if self.moe_routing == "all":
-            return float(cfg.num_experts)
-        pool = float(cfg.num_experts)
-        if self.moe_routing == "hot_set":
-            pool = max(cfg.num_experts_per_tok, self.params.moe_hot_fraction * cfg.num_experts)
-        return expected_distinct_experts(pool, cfg.num_experts_per_tok, num_tokens)
+        seqs = (tokens_per_seq,) if isinstance(tokens_per_seq, int) else tokens_per_seq
+        return distinct_experts(
+            self.moe_routing,
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            seqs,
+            self.params.moe_concentration,
+        )
+
+    def work(self, shape: StepShape) -> list[StepWork]:
+        """The kernel work of a step: one call over the packed tokens, no padding (vLLM)."""
+        bs = self.block_size
+        pages = [math.ceil((c + n) / bs) for n, c in shape.seqs]
+        return [
+            StepWork(
+                tokens=shape.num_tokens,
+                logits_rows=shape.num_seqs,
+                seq_tokens=tuple(n for n, _ in shape.seqs),
+                kv_read_tokens=float(sum(pages) * bs),
+                kv_pages=float(sum(pages)),
+                # Causal keys over a chunk: sum_{i<n} (c + i + 1) = n*c + n(n+1)/2.
+                attention_pairs=float(sum(n * c + n * (n + 1) // 2 for n, c in shape.seqs)),
+                kv_write_tokens=shape.num_tokens,
+            )
+        ]
+
+    def gemm_throughput(self, expert: bool = False) -> float:
+        p = self.params
+        if not self.dequantizes:
+            return p.native_gemm_efficiency * self.peak_flops
+        eff = p.expert_gemm_efficiency if expert else p.dense_gemm_efficiency
+        return eff * self.peak_flops
+
+    def price(self, w: StepWork) -> dict[str, dict[str, float]]:
+        """bytes, flops and seconds of each operator class for one call (before TP split)."""
+        cfg, p, layers = self.cfg, self.params, self.cfg.num_layers
+        bf16 = self.hw.sustained_flops("bf16")
+        act = self.act_bytes
+        ops: dict[str, tuple[float, float, float, float]] = {}  # bytes, flops, bw, flop/s
+        bw = p.bandwidth_efficiency * self.hw.achievable_bandwidth
+        ops["dense_gemm"] = (
+            self.dense_layer_bytes + w.tokens * self.dense_io_elements * act,
+            2.0 * self.dense_layer_params * w.tokens,
+            bw,
+            self.gemm_throughput(),
+        )
+        if cfg.is_moe:
+            k, d, f = cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+            experts = self.distinct_experts(w.seq_tokens)
+            ops["expert_gemm"] = (
+                experts * sum(self.expert_bytes_per_layer)
+                + w.tokens * k * (2 * d + 3 * f) * act * layers,
+                2.0 * k * self.expert_params * w.tokens * layers,
+                bw,
+                self.gemm_throughput(expert=True),
+            )
+        kv_read = w.kv_read_tokens * self.kv_bytes_per_token
+        ops["attention"] = (
+            kv_read / self.page_efficiency + w.kv_write_tokens * self.kv_bytes_per_token,
+            4.0 * cfg.num_heads * cfg.head_dim * w.attention_pairs * layers,
+            bw,
+            p.attention_efficiency * bf16,
+        )
+        ops["lm_head"] = (
+            self.lm_head_bytes + w.logits_rows * cfg.vocab_size * 4 * (1 + SAMPLER_PASSES),
+            2.0 * cfg.hidden_size * cfg.vocab_size * w.logits_rows,
+            bw,
+            p.native_gemm_efficiency
+            * self.hw.sustained_flops(gemm_format(None, self.hw, self.dtype)[0]),
+        )
+        ops["elementwise"] = (
+            w.tokens * cfg.hidden_size * layers * ELEMENTWISE_ACCESSES * act
+            + w.tokens * self.embed_row_bytes,
+            0.0,
+            bw,
+            bf16,
+        )
+        out = {}
+        for name, (nbytes, flops, band, rate) in ops.items():
+            mem, comp = nbytes / band / self.tp, flops / rate / self.tp
+            out[name] = {"bytes": nbytes, "flops": flops, "memory_s": mem, "compute_s": comp}
+            out[name]["s"] = max(mem, comp)
+        return out
 
     def breakdown(self, shape: StepShape) -> dict[str, Any]:
-        """Every term of the step's price: bytes by kind, FLOPs by kind, the two roofline times,
-        the all-reduce time (tensor parallel), the overhead and the total (seconds):
-        ``total_s == max(memory_time_s, compute_time_s) + allreduce_s + overhead_s``."""
+        """Every term of the step's price: per operator class ``<op>_bytes``, ``<op>_flops``,
+        ``<op>_s``; the sums ``bytes_total`` and ``flops_total``; ``kernels_s`` (sum over
+        operators and calls), ``allreduce_s``, ``overhead_s`` and
+        ``total_s == kernels_s + allreduce_s + overhead_s``."""
         cfg, p = self.cfg, self.params
-        tokens = shape.num_tokens
-        rows = shape.num_seqs
-        experts = self.distinct_experts(tokens)
-        kv_tokens_read = sum(c + n for n, c in shape.seqs)
-        b = {
-            "bytes_dense_weights": float(self.dense_layer_bytes),
-            "bytes_expert_weights": experts * sum(self.expert_bytes_per_layer),
-            "bytes_lm_head": float(self.lm_head_bytes) if rows else 0.0,
-            "bytes_embedding": float(tokens * self.embed_row_bytes),
-            "bytes_kv_read": float(kv_tokens_read * self.kv_bytes_per_token),
-            "bytes_kv_write": float(tokens * self.kv_bytes_per_token),
-            "bytes_activations": float(
-                tokens * cfg.hidden_size * cfg.num_layers * ACTIVATION_BYTES_PER_ELEMENT
-            ),
+        calls = self.work(shape)
+        out: dict[str, Any] = {
+            f"{op}_{x}": 0.0 for op in OPERATORS for x in ("bytes", "flops", "s")
         }
-        bytes_total = sum(b.values())
-        # Causal keys summed over a chunk: sum_{i<n} (c + i + 1) = n*c + n(n+1)/2.
-        keys = sum(n * c + n * (n + 1) // 2 for n, c in shape.seqs)
-        f = {
-            "flops_linear": 2.0 * self.active_params_per_token * tokens,
-            "flops_lm_head": 2.0 * cfg.hidden_size * cfg.vocab_size * rows,
-            "flops_attention": 4.0 * cfg.num_heads * cfg.head_dim * keys * cfg.num_layers,
-        }
-        flops_total = sum(f.values())
-        bandwidth = p.bandwidth_efficiency * self.hw.achievable_bandwidth
-        # Tensor parallel over tp boxes: each reads and computes 1/tp of everything (heads, MLP
-        # columns, experts and the vocabulary are split), then two all-reduces per layer (after
-        # the attention output and after the MLP) of tokens * hidden activations. A ring
-        # all-reduce sends 2 (tp - 1) / tp of the buffer per box; not overlapped with compute.
-        memory_time = bytes_total / bandwidth / self.tp
-        compute_time = flops_total / (p.compute_efficiency * self.peak_flops) / self.tp
-        comm_time = 0.0
+        bound = {"memory": 0.0, "compute": 0.0}
+        for w in calls:
+            for op, v in self.price(w).items():
+                for x in ("bytes", "flops", "s"):
+                    out[f"{op}_{x}"] += v[x]
+                bound["memory" if v["memory_s"] >= v["compute_s"] else "compute"] += v["s"]
+        comm = 0.0
         if self.tp > 1:
-            buffer = tokens * cfg.hidden_size * dtype_bytes(self.dtype)
-            per_allreduce = 2 * (self.tp - 1) / self.tp * buffer / self.hw.interconnect_bandwidth
-            comm_time = 2 * cfg.num_layers * (per_allreduce + self.allreduce_latency_s)
-        overhead = p.per_step_overhead_s + cfg.num_layers * p.per_layer_overhead_s
-        return {
-            **b,
-            "bytes_total": bytes_total,
+            for w in calls:
+                buffer = w.tokens * cfg.hidden_size * self.act_bytes
+                per = 2 * (self.tp - 1) / self.tp * buffer / self.hw.interconnect_bandwidth
+                comm += 2 * cfg.num_layers * (per + self.allreduce_latency_s)
+        kernels = sum(out[f"{op}_s"] for op in OPERATORS)
+        overhead = p.per_step_overhead_s + p.per_seq_overhead_s * shape.num_seqs
+        experts = self.distinct_experts(tuple(n for n, _ in shape.seqs))
+        return out | {
+            "bytes_total": sum(out[f"{op}_bytes"] for op in OPERATORS),
+            "flops_total": sum(out[f"{op}_flops"] for op in OPERATORS),
             "distinct_experts_per_layer": experts,
-            **f,
-            "flops_total": flops_total,
             "compute_dtype": self.compute_dtype,
-            "memory_time_s": memory_time,
-            "compute_time_s": compute_time,
-            "bound": "memory" if memory_time >= compute_time else "compute",
-            "allreduce_s": comm_time,
+            "memory_bound_s": bound["memory"],
+            "compute_bound_s": bound["compute"],
+            "bound": "memory" if bound["memory"] >= bound["compute"] else "compute",
+            "kernels_s": kernels,
+            "allreduce_s": comm,
             "overhead_s": overhead,
-            "total_s": max(memory_time, compute_time) + comm_time + overhead,
+            "total_s": kernels + comm + overhead,
         }
 
     def step_time(self, shape: StepShape) -> float:
@@ -347,29 +421,35 @@ class CostModel:
         """Single-stream TTFT: one prefill step of the whole prompt."""
         return self.step_time(StepShape.prefill(prompt_len))
 
+    def options(self) -> dict[str, Any]:
+        """The constructor's keyword arguments (to rebuild a variant of this model)."""
+        return dict(
+            kv_cache_dtype=self.kv_cache_dtype,
+            dtype=self.dtype,
+            params=self.params,
+            moe_routing=self.moe_routing,
+            tensor_parallel_size=self.tp,
+            allreduce_latency_s=self.allreduce_latency_s,
+            block_size=self.block_size,
+        )
+
 
 def with_params(model: CostModel, **changes: Any) -> CostModel:
     """A copy of ``model`` with some ``CostParams`` fields changed (what-if studies)."""
-    return CostModel(
-        model.cfg,
-        model.quantization,
-        model.hw,
-        model.kv_cache_dtype,
-        model.dtype,
-        replace(model.params, **changes),
-        model.moe_routing,
-        model.tp,
-        model.allreduce_latency_s,
-    )
+    opts = model.options() | {"params": replace(model.params, **changes)}
+    return type(model)(model.cfg, model.quantization, model.hw, **opts)
 
 
 __all__ = [
     "MOE_ROUTINGS",
+    "OPERATORS",
     "CostModel",
     "CostParams",
     "StepShape",
-    "compute_dtype",
+    "StepWork",
     "expected_distinct_experts",
+    "gemm_format",
+    "page_efficiency",
     "step_shape_from_plan",
     "with_params",
 ]

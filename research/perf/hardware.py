@@ -26,8 +26,9 @@ GB = 10**9
 TB = 10**12
 TFLOPS = 10**12
 
-# Keys of ``tensor_flops`` / ``measured_flops``: the element type fed to the tensor cores.
-TENSOR_DTYPES = ("bf16", "fp8", "fp4")
+# Keys of ``tensor_flops`` / ``measured_flops``: the element type fed to the tensor cores (fp32:
+# plain float32 math, for a CPU host; a GPU without an fp32 entry runs float32 as TF32).
+TENSOR_DTYPES = ("bf16", "fp8", "fp4", "fp32")
 
 
 def _frozen_mapping(values: Mapping[str, float]) -> Mapping[str, float]:
@@ -110,6 +111,21 @@ class Hardware:
         if measured and dtype in self.measured_flops:
             return self.measured_flops[dtype]
         return self.tensor_flops[dtype]
+
+    def sustained_flops(self, dtype: str = "bf16") -> float:
+        """The ceiling a fitted GEMM efficiency is a fraction of: the measured large-matmul rate
+        for ``dtype`` where published; else its peak scaled by the measured/peak ratio of bf16
+        (the one dtype measured on most machines: GB10's 91 of 125 TFLOP/s gives fp8 182 and fp4
+        364 of their 250 / 500 peaks), else the peak itself. ``"tf32"`` (float32 weights on a
+        GPU without an fp32 entry) is half the bf16 figure. Never above the peak."""
+        if dtype == "tf32":
+            return self.sustained_flops("bf16") / 2
+        if dtype in self.measured_flops:
+            return self.measured_flops[dtype]
+        peak = self.flops(dtype)
+        if "bf16" in self.measured_flops:
+            return peak * self.measured_flops["bf16"] / self.tensor_flops["bf16"]
+        return peak
 
 
 HARDWARE: dict[str, Hardware] = {}

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from research.engine.executor import StepResult
-from research.perf.cost_model import CostModel, step_shape_from_plan
+from research.perf.cost_model import CostModel, StepShape, step_shape_from_plan
 
 SYNTHETIC_TOKEN = 0
 
@@ -50,10 +50,16 @@ class SimulatedExecutor:
         self.clock = clock or VirtualClock()
         self.num_compilations = 0  # nothing is compiled
         self.simulated_time = 0.0
+        # (clock before, seconds, StepShape) of every step while ``step_log`` is a list (None: off); the
+        # prediction band re-prices a closed-loop run from it (``research.perf.bands``).
+        self.step_log: list[tuple[float, float, StepShape]] | None = None
 
     def execute(self, plan: Any) -> StepResult:
         t0 = time.perf_counter()
-        seconds = self.cost_model.step_time(step_shape_from_plan(plan))
+        shape = step_shape_from_plan(plan)
+        seconds = self.cost_model.step_time(shape)
+        if self.step_log is not None:
+            self.step_log.append((self.clock.now, seconds, shape))
         self.clock.advance(seconds)
         self.simulated_time += seconds
         tokens = {item.seq.request_id: SYNTHETIC_TOKEN for item in plan.scheduled}

@@ -1,0 +1,146 @@
+"""Prediction bands: one simulated run priced under each plausible assumption the calibration
+points leave open, so a figure shows how much a prediction depends on them.
+
+Two assumptions are not pinned by single-request points:
+
+- the MoE routing law at batch (``research.perf.routing``): the central curve uses
+  ``sequence_locality``; the optimistic corner ``hot_set`` (one global hot set: a batch never
+  touches more experts than one prompt does), the pessimistic corner ``uniform`` (no locality
+  even inside a prompt: prefills touch every expert);
+- how host time splits between per-step and per-sequence work: the fit gives their sum at
+  batch 1; the corners put 0 and twice ``ASSUMED_PER_SEQ_OVERHEAD_S`` per sequence (keeping the
+  batch-1 total).
+
+``band_variants`` builds the two corner cost models (each corner takes the optimistic or the
+pessimistic side of every assumption). In a closed loop with every request available at once,
+the scheduler's decisions do not depend on how long steps take (a finished request's slot is
+refilled for the next step whatever the clock says), so ``retime`` re-prices a recorded run step
+by step under another cost model instead of simulating it again: exact, and a small fraction of
+the run's cost. ``band_keys`` turns the variants' metrics into ``band_<metric>_lo`` / ``_hi``
+keys of a results point; ``plot_prediction_bands`` draws them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from research.perf.cost_model import CostModel, StepShape
+from research.perf.routing import DEFAULT_ROUTING
+
+BAND_METRICS = (
+    "output_throughput",
+    "total_token_throughput",
+    "per_user_tok_s",
+    "median_ttft_ms",
+    "median_tpot_ms",
+)
+
+
+def band_variants(model: CostModel) -> dict[str, CostModel]:
+    """The optimistic and pessimistic corners around ``model`` (module docstring)."""
+    p, opts = model.params, model.options()
+    host = p.per_step_overhead_s + p.per_seq_overhead_s  # what batch 1 pins
+    lean = dataclasses.replace(p, per_step_overhead_s=host, per_seq_overhead_s=0.0)
+    heavy_seq = 2 * p.per_seq_overhead_s
+    heavy = dataclasses.replace(
+        p, per_step_overhead_s=max(0.0, host - heavy_seq), per_seq_overhead_s=heavy_seq
+    )
+    corners = {"optimistic": (lean, "hot_set"), "pessimistic": (heavy, "uniform")}
+    out = {}
+    for name, (params, law) in corners.items():
+        routing = law if model.cfg.is_moe else DEFAULT_ROUTING
+        out[name] = type(model)(
+            model.cfg,
+            model.quantization,
+            model.hw,
+            **(opts | {"params": params, "moe_routing": routing}),
+        )
+    return out
+
+
+def retime(
+    result: Any, step_log: Sequence[tuple[float, float, StepShape]], model: CostModel
+) -> Any:
+    """``result`` (a ``BenchmarkResult`` of a closed-loop simulated run whose executor logged
+    ``step_log``: (clock before, seconds, shape) per step) with every timestamp moved to where
+    ``model``'s step times put it."""
+    if not step_log:
+        raise ValueError("no steps were logged for this run")
+    moved: dict[float, float] = {}
+    new_t, old_end = step_log[0][0], step_log[0][0]
+    for before, seconds, shape in step_log:
+        new_t += before - old_end  # an idle gap between steps stays as it was
+        moved[before] = new_t
+        new_t += model.step_time(shape)
+        old_end = before + seconds  # the float the virtual clock held after the step
+        moved[old_end] = new_t
+
+    def at(t: float) -> float:
+        try:
+            return moved[t]
+        except KeyError:
+            raise ValueError(
+                f"time {t} is not a step boundary of the log: retime needs a closed loop on one "
+                "simulated box"
+            ) from None
+
+    records = [
+        dataclasses.replace(
+            r,
+            send_time=at(r.send_time),
+            first_token_time=None if r.first_token_time is None else at(r.first_token_time),
+            token_times=[at(t) for t in r.token_times],
+            finish_time=at(r.finish_time),
+        )
+        for r in result.records
+    ]
+    duration = max(r.finish_time for r in records) - min(r.send_time for r in records)
+    return dataclasses.replace(result, records=records, duration=duration)
+
+
+def band_keys(central: Mapping[str, Any], variants: Mapping[str, Mapping[str, Any]]) -> dict:
+    """``band_<metric>_lo`` / ``_hi`` over the central point and the variants' metrics."""
+    out: dict[str, Any] = {"band_variants": ",".join(variants)}
+    for metric in BAND_METRICS:
+        values = [m[metric] for m in (central, *variants.values()) if m.get(metric) is not None]
+        if values:
+            out[f"band_{metric}_lo"], out[f"band_{metric}_hi"] = min(values), max(values)
+    return out
+
+
+def plot_prediction_bands(points: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
+    """Aggregate output tok/s, per-user tok/s and median TTFT against concurrency, one line per
+    label with its band shaded."""
+    from matplotlib.figure import Figure
+
+    metrics = ("output_throughput", "per_user_tok_s", "median_ttft_ms")
+    fig = Figure(figsize=(15, 4.5))
+    axes = fig.subplots(1, len(metrics))
+    series: dict[str, list[Mapping[str, Any]]] = {}
+    for p in points:
+        if p.get("max_concurrency") is not None:
+            series.setdefault(str(p.get("label") or p.get("model")), []).append(p)
+    for ax, metric in zip(axes, metrics, strict=True):
+        for label, pts in series.items():
+            pts = sorted(pts, key=lambda p: p["max_concurrency"])
+            xs = [p["max_concurrency"] for p in pts]
+            (line,) = ax.plot(xs, [p[metric] for p in pts], marker="o", label=label)
+            lo = [p.get(f"band_{metric}_lo", p[metric]) for p in pts]
+            hi = [p.get(f"band_{metric}_hi", p[metric]) for p in pts]
+            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_title(metric.replace("_", " "))
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("predictions (line: central assumptions; band: optimistic to pessimistic)")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+__all__ = ["BAND_METRICS", "band_keys", "band_variants", "plot_prediction_bands", "retime"]
