@@ -1,0 +1,155 @@
+"""Validate the simulator's structure on the machine at hand (``experiment=validate_host``).
+
+1. Single-stream runs of our real engine (concurrency 1): the workload's prompt length (TPOT and
+   TTFT) and a second, longer prompt (TTFT): the only numbers the host model is fitted on
+   (``research.perf.host_model.fit_host``), as GB10 is fitted on single-request points.
+2. The fitted model predicts the concurrency sweep: our engine and scheduler over a simulated
+   executor with the real engine's KV pool, the same requests, the same seeds.
+3. The real engine runs the sweep; predicted and measured are printed side by side with the
+   error of per-user tok/s, aggregate output tok/s and median TTFT, and the median |error| of
+   per-user tok/s over the sweep.
+
+Writes ``results.jsonl`` (measured points, then predicted ones, ``executor`` telling them apart)
+and ``validate_host.md`` (the table) into the run directory. A benchmark: its figures depend on
+what else the machine is doing, and are printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from research.bench.report import append_result
+from research.config import RunConfig
+
+METRICS = ("per_user_tok_s", "output_throughput", "median_ttft_ms")
+
+
+class SimulatedBackend:
+    """The ``Backend`` of ``experiments.sweep`` over an engine with a simulated executor."""
+
+    def __init__(self, engine: Any, like: Any, label: str):
+        self.engine = engine
+        self.model_id, self.vocab_size, self.special_ids = (
+            like.model_id,
+            like.vocab_size,
+            like.special_ids,
+        )
+        self.label = label
+
+    def run(self, requests: list, max_concurrency: int | None, progress: bool) -> Any:
+        from research.bench import run_benchmark
+
+        e = self.engine
+        return run_benchmark(
+            e,
+            requests,
+            max_concurrency=max_concurrency,
+            clock=e.clock,
+            sleep=e.executor.clock.sleep,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+
+def _single_stream(run: RunConfig, backend: Any, prompt_len: int, output_len: int) -> dict:
+    from experiments.sweep import run_point
+
+    w = dataclasses.replace(run.workload, input_len=prompt_len, output_len=output_len)
+    return run_point(dataclasses.replace(run, workload=w), backend, 1, progress=False)
+
+
+def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
+    from experiments.sweep import EngineBackend, run_point
+    from research.perf.host_model import SingleStream, fit_host, simulated_engine
+
+    if run.executor.kind != "real":
+        raise ValueError("experiment=validate_host measures the real engine: use executor=real")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = out_dir / "results.jsonl"
+    t0 = time.perf_counter()
+    real = EngineBackend(run)
+    w, s = run.workload, run.scheduler
+    long_prompt = 4 * w.input_len
+    print(
+        f"[validate_host] {real.label}: single-stream runs (prompts {w.input_len}, {long_prompt})"
+    )
+    short = _single_stream(run, real, w.input_len, w.output_len)
+    long = _single_stream(run, real, long_prompt, 8)
+    measured = SingleStream(
+        prompt_len=w.input_len,
+        output_len=w.output_len,
+        tpot_s=short["median_tpot_ms"] / 1e3,
+        ttft_s={
+            w.input_len: short["median_ttft_ms"] / 1e3,
+            long_prompt: long["median_ttft_ms"] / 1e3,
+        },
+    )
+    engine = real.llm.engine
+    model = fit_host(
+        run.model.model,
+        measured,
+        max_num_seqs=s.max_num_seqs,
+        max_num_batched_tokens=s.max_num_batched_tokens,
+        max_model_len=engine.max_model_len,
+        block_size=run.cache.block_size,
+        quantization=run.quantization.quantization,
+        dtype=run.model.dtype,
+    )
+    hw = model.hw
+    print(
+        f"  fitted on: TPOT {measured.tpot_s * 1e3:.1f} ms, TTFT "
+        + ", ".join(f"{n}: {t * 1e3:.0f} ms" for n, t in measured.ttft_s.items())
+        + f" -> {hw.achievable_bandwidth / 1e9:.1f} GB/s, "
+        f"{hw.tensor_flops['fp32'] / 1e9:.1f} GFLOP/s, "
+        f"{model.params.per_step_overhead_s * 1e3:.2f} ms per call"
+    )
+    cache = dataclasses.replace(engine.cache_config, num_kv_blocks=engine.block_manager.num_blocks)
+    sim_engine = simulated_engine(model, cache, engine.scheduler_config, engine.max_model_len)
+    sim = SimulatedBackend(sim_engine, real, f"host-model {run.model.model}")
+    rows = []
+    for c in run.experiment.concurrencies:
+        predicted = run_point(run, sim, c, progress=False) | {"executor": "host-model"}
+        t = time.perf_counter()
+        got = run_point(run, real, c, progress=False)
+        for point in (got, predicted):
+            append_result(results, point)
+        errors = {m: 100.0 * (predicted[m] - got[m]) / got[m] for m in METRICS}
+        rows.append({"concurrency": c, "measured": got, "predicted": predicted, "error": errors})
+        print(
+            f"  concurrency {c:>3}: per-user {predicted['per_user_tok_s']:6.1f} predicted, "
+            f"{got['per_user_tok_s']:6.1f} measured ({errors['per_user_tok_s']:+.0f}%) "
+            f"[{time.perf_counter() - t:.0f} s]"
+        )
+    table = format_validation(rows, measured, model)
+    (out_dir / "validate_host.md").write_text(table + "\n")
+    print()
+    print(table)
+    print(f"results: {results} ({time.perf_counter() - t0:.0f} s)")
+    return [r["measured"] for r in rows] + [r["predicted"] for r in rows]
+
+
+def format_validation(rows: list[dict[str, Any]], measured: Any, model: Any) -> str:
+    lines = [
+        "| concurrency | per-user tok/s pred | meas | err % | output tok/s pred | meas | err % "
+        "| median TTFT ms pred | meas | err % |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = [str(r["concurrency"])]
+        for m in METRICS:
+            cells += [
+                f"{r['predicted'][m]:.1f}",
+                f"{r['measured'][m]:.1f}",
+                f"{r['error'][m]:+.1f}",
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
+    med = statistics.median(abs(r["error"]["per_user_tok_s"]) for r in rows)
+    lines.append("")
+    lines.append(f"median |error| of per-user tok/s: {med:.1f}%")
+    return "\n".join(lines)

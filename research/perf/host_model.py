@@ -1,0 +1,216 @@
+"""A cost model of OUR real engine on the machine at hand, calibrated the way GB10 is: on
+single-stream runs only. It is how the simulator's structure is checked against something we
+can measure (``python -m experiments.run experiment=validate_host``).
+
+``HostCostModel`` is ``CostModel`` priced over the work our ``ModelExecutor`` actually launches
+(``research.engine.executor``): decodes and prefill chunks run as two calls; each call's rows are
+padded to a power of two (``bucket``), prefill tokens to a power of two >= 16, tokens per row to
+a power of two; attention reads every row's bucketed block table (``context_bucket``, at least
+128 tokens) for every padded query, in the XLA reference attention (no flash kernel: the score
+matrix is [rows, heads, queries, keys]). Each call pays the per-step host overhead (packing
+arrays, dispatch, reading the sampled tokens back).
+
+``fit_host`` fits the machine's effective read bandwidth, its effective matmul rate and the
+per-call host overhead on three single-stream numbers: the decode time per token and the TTFT at
+two prompt lengths (concurrency 1). Bandwidth and FLOP/s are fitted as absolute rates, i.e. a
+``Hardware`` whose peaks ARE the fitted rates (efficiencies 1): no peak of this CPU is published
+or measured independently. Host time per extra sequence is assumed 0 (one sequence cannot
+separate it from the per-call overhead). Everything at concurrency > 1 is then a prediction.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from research.config import CacheConfig, ModelConfig, SchedulerConfig
+from research.perf.cost_model import CostModel, CostParams, StepShape, StepWork
+from research.perf.hardware import GiB, Hardware
+
+
+def _bucket(n: int, minimum: int, maximum: int) -> int:
+    """``research.engine.executor.bucket`` (duplicated arithmetic: that module imports JAX)."""
+    return min(max(minimum, 1 << max(0, n - 1).bit_length()), maximum)
+
+
+def _context_bucket(n: int, minimum: int, maximum: int) -> int:
+    """``research.engine.executor.context_bucket``: minimum * {1, 2, 3, 4, 6, 8, 12, ...}."""
+    if n <= minimum:
+        return min(minimum, maximum)
+    p = minimum
+    while True:
+        for size in (2 * p, 3 * p):
+            if size >= n:
+                return min(size, maximum)
+        p *= 2
+
+
+def host_hardware(bandwidth: float, flops: float, name: str = "host-fit") -> Hardware:
+    """A ``Hardware`` whose peaks are fitted effective rates (bytes/s, FLOP/s)."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        memory = 16 * GiB
+    return Hardware(
+        name=name,
+        memory_bytes=memory,
+        cuda_visible_bytes=memory,
+        peak_bandwidth=bandwidth,
+        achievable_bandwidth=bandwidth,
+        tensor_flops={"bf16": flops, "fp32": flops},
+        notes="fitted on single-stream runs of our engine (research.perf.host_model)",
+    )
+
+
+class HostCostModel(CostModel):
+    """``CostModel`` over the padded calls of our ``ModelExecutor`` (module docstring)."""
+
+    def __init__(
+        self,
+        model: str | ModelConfig,
+        quantization: str | None,
+        hardware: Hardware,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("dtype", "float32")
+        kwargs.setdefault("params", CostParams(1.0, 0.0))
+        super().__init__(model, quantization, hardware, **kwargs)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        # The XLA attention reads and scores every key it gathers: no page overhead model.
+        self.page_efficiency = 1.0
+
+    def options(self) -> dict[str, Any]:
+        return super().options() | dict(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+        )
+
+    def work(self, shape: StepShape) -> list[StepWork]:
+        bs = self.block_size
+        max_blocks = -(-self.max_model_len // bs)
+        m_min = -(-128 // bs)
+        decodes = [(n, c) for n, c in shape.seqs if n == 1]
+        prefills = [(n, c) for n, c in shape.seqs if n > 1]
+        calls = []
+        for group, is_decode in ((decodes, True), (prefills, False)):
+            if not group:
+                continue
+            tokens = sum(n for n, _ in group)
+            r = _bucket(len(group), 1, self.max_num_seqs)
+            cap = max(16, self.max_num_batched_tokens)
+            n = r if is_decode else _bucket(tokens, 16, cap)
+            t = 1 if is_decode else _bucket(max(k for k, _ in group), 16, n)
+            longest_table = max(math.ceil((c + k) / bs) for k, c in group)
+            keys = _context_bucket(longest_table, m_min, max_blocks) * bs
+            calls.append(
+                StepWork(
+                    tokens=n,
+                    logits_rows=r,
+                    seq_tokens=tuple(k for k, _ in group),
+                    kv_read_tokens=float(r * keys),
+                    kv_pages=float(r * keys / bs),
+                    attention_pairs=float(r * t * keys),
+                    kv_write_tokens=n,
+                )
+            )
+        return calls
+
+    def breakdown(self, shape: StepShape) -> dict[str, Any]:
+        out = super().breakdown(shape)
+        extra_calls = len(self.work(shape)) - 1  # every call pays the dispatch overhead
+        extra = extra_calls * self.params.per_step_overhead_s
+        return out | {"overhead_s": out["overhead_s"] + extra, "total_s": out["total_s"] + extra}
+
+
+@dataclass(frozen=True)
+class SingleStream:
+    """Measured single-stream figures of our engine: median TPOT at ``prompt_len`` and median
+    TTFT at each prompt length (seconds)."""
+
+    prompt_len: int
+    output_len: int
+    tpot_s: float
+    ttft_s: dict[int, float]
+
+
+def fit_host(
+    model: str | ModelConfig,
+    measured: SingleStream,
+    *,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    block_size: int = 16,
+    quantization: str | None = None,
+    dtype: str = "float32",
+) -> HostCostModel:
+    """Fit bandwidth, FLOP/s and the per-call overhead on ``measured`` (three numbers: TPOT and
+    two TTFTs) by least squares on their logs; returns the fitted model."""
+    from scipy.optimize import least_squares
+
+    if len(measured.ttft_s) < 2:
+        raise ValueError("fit_host needs the TTFT at two prompt lengths")
+    sizes = dict(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        dtype=dtype,
+    )
+
+    def build(x: Any) -> HostCostModel:
+        hw = host_hardware(math.exp(x[0]) * 1e9, math.exp(x[1]) * 1e9)
+        params = CostParams(1.0, max(0.0, x[2]) / 1e3)
+        return HostCostModel(model, quantization, hw, params=params, **sizes)
+
+    def residuals(x: Any) -> list[float]:
+        cm = build(x)
+        mean = measured.prompt_len + (measured.output_len - 2) // 2
+        res = [math.log(cm.step_time(StepShape.decode(1, mean)) / measured.tpot_s)]
+        res += [math.log(cm.ttft(n) / t) for n, t in sorted(measured.ttft_s.items())]
+        return res
+
+    x0 = [math.log(10.0), math.log(50.0), 1.0]
+    bounds = ([math.log(0.1), math.log(0.1), 0.0], [math.log(1e4), math.log(1e6), 1e3])
+    fit = least_squares(residuals, x0, bounds=bounds, x_scale=[0.3, 0.3, 1.0])
+    if not fit.success:
+        raise ValueError(f"host fit did not converge: {fit.message}")
+    return build(fit.x)
+
+
+def simulated_engine(
+    cost_model: CostModel,
+    cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig,
+    max_model_len: int,
+) -> Any:
+    """Our real engine and scheduler over a ``SimulatedExecutor`` pricing with ``cost_model``
+    (``cache_config.num_kv_blocks`` must be set: the pool of the engine being predicted)."""
+    from research.engine.engine import Engine
+    from research.perf.simulated import SimulatedExecutor
+
+    if cache_config.num_kv_blocks is None:
+        raise ValueError("simulated_engine needs cache_config.num_kv_blocks")
+    sim = SimulatedExecutor(cost_model)
+    return Engine(
+        cost_model.cfg,
+        None,
+        None,
+        cache_config=cache_config,
+        scheduler_config=scheduler_config,
+        max_model_len=max_model_len,
+        executor=sim,
+        clock=sim.clock,
+    )
+
+
+__all__ = ["HostCostModel", "SingleStream", "fit_host", "host_hardware", "simulated_engine"]
