@@ -14,6 +14,7 @@ run in worker threads. So no request can keep ``/health`` waiting.
 Streaming responses are server-sent events in OpenAI's chunk format, one chunk per generated token
 (its text may be empty while a multi-byte character is incomplete or a stop string may be
 starting), a final chunk with the finish reason, an optional usage chunk, then ``data: [DONE]``.
+With vLLM's ``"return_token_ids": true`` each choice (or chunk) also carries its token ids.
 
 Errors are OpenAI-style JSON (``{"error": {"message", "type", "param", "code"}}``) for every
 status: 400 for bad input (the engine's and SamplingParams' ValueError messages), 401 for a
@@ -187,6 +188,7 @@ def create_app(
         stream = protocol.field(body, "stream", bool, False)
         options = protocol.field(body, "stream_options", dict) or {}
         include_usage = bool(options.get("include_usage"))
+        return_token_ids = protocol.field(body, "return_token_ids", bool, False)  # as vLLM
         request_id, outputs = await engine_loop.add(prompt_ids, params, prompt)
         kind = "chatcmpl" if chat else "cmpl"
         header = {
@@ -236,17 +238,26 @@ def create_app(
             else:
                 choice, obj = {"text": out.text}, "text_completion"
             choice = {"index": 0, **choice, "logprobs": None, "finish_reason": out.finish_reason}
+            if return_token_ids:
+                choice |= {"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids}
             return JSONResponse({**header, "object": obj, "choices": [choice], "usage": usage(out)})
 
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str, finish_reason: str | None, first: bool = False) -> dict:
+        sent_ids = 0
+
+        def chunk(
+            text: str, finish_reason: str | None, first: bool = False, out: Any = None
+        ) -> dict:
+            nonlocal sent_ids
             if chat:
                 delta = {"role": "assistant", "content": text} if first else {"content": text}
                 choice = {"delta": delta}
             else:
                 choice = {"text": text}
             choice = {"index": 0, **choice, "logprobs": None, "finish_reason": finish_reason}
+            if return_token_ids and out is not None:
+                choice["token_ids"], sent_ids = out.token_ids[sent_ids:], len(out.token_ids)
             return {**header, "object": obj, "choices": [choice]}
 
         async def events() -> AsyncIterator[str]:
@@ -261,7 +272,7 @@ def create_app(
                         finished = True  # the engine already dropped it
                         yield _sse(error.body())
                         break
-                    yield _sse(chunk(detok.delta(out), out.finish_reason))
+                    yield _sse(chunk(detok.delta(out), out.finish_reason, out=out))
                     if out.finished:
                         finished = True
                         if include_usage:

@@ -11,7 +11,11 @@ def prometheus_text(engine_loop: EngineLoop, model_name: str) -> str:
     label = f'{{model_name="{model_name}"}}'
     gauges = [
         ("num_requests_running", "Requests in the running batch.", s["num_running"]),
-        ("num_requests_waiting", "Requests waiting to be scheduled.", s["num_waiting"]),
+        (
+            "num_requests_waiting",
+            "Requests admitted and waiting to be scheduled.",
+            max(s["num_waiting"], engine_loop.num_unscheduled),
+        ),
         ("kv_blocks_total", "KV-cache blocks in the pool.", s["kv_blocks_total"]),
         ("kv_blocks_free", "KV-cache blocks free (incl. evictable cached).", s["kv_blocks_free"]),
         (
