@@ -296,6 +296,8 @@ def run_point(
         "range_ratio": w.range_ratio,
         "experiment": e.name,
     }
+    if "num_preemptions" in after:
+        extra["num_preemptions"] = int(_delta(after, before, "num_preemptions"))
     if steps and run.executor.kind == "real":
         extra |= {
             "num_steps": int(steps),

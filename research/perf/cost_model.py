@@ -187,12 +187,12 @@ def gemm_format(
     return "bf16", False
 
 
-def page_efficiency(block_size: int, head_dim: int, kv_element_bytes: float) -> float:
-    """Share of the bandwidth a paged attention kernel gets: a page of ``block_size`` tokens
-    moves ``block_size * head_dim * bytes`` per kv head for K (and again for V) behind one
-    page-table lookup, ``x / (x + PAGE_OVERHEAD_BYTES)``. bf16, head_dim 128: 89% at 8-token
-    pages, 94% at 16, 98.5% at 64."""
-    x = block_size * head_dim * kv_element_bytes
+def page_efficiency(block_size: int, head_bytes_per_token: float) -> float:
+    """Share of the bandwidth a paged attention kernel gets: a page moves
+    ``block_size * head_bytes_per_token`` bytes per kv head for K (and again for V) behind one
+    page-table lookup, ``x / (x + PAGE_OVERHEAD_BYTES)``. bf16, head_dim 128 (256 bytes per
+    token and head): 89% at 8-token pages, 94% at 16, 98.5% at 64."""
+    x = block_size * head_bytes_per_token
     return x / (x + PAGE_OVERHEAD_BYTES)
 
 
@@ -240,8 +240,8 @@ class CostModel:
         self.compute_dtype, self.dequantizes = gemm_format(quantization, self.hw, dtype)
         self.peak_flops = self.hw.sustained_flops(self.compute_dtype)
         self.kv_bytes_per_token = kv_bytes_per_token(self.cfg, kv_cache_dtype, dtype)
-        kv_elem = self.kv_bytes_per_token / (2 * self.cfg.num_layers * self.cfg.num_kv_heads)
-        self.page_efficiency = page_efficiency(block_size, self.cfg.head_dim, kv_elem)
+        head_bytes = self.kv_bytes_per_token / (2 * self.cfg.num_layers * self.cfg.num_kv_heads)
+        self.page_efficiency = page_efficiency(block_size, head_bytes)
 
         cfg, elem = self.cfg, dtype_bytes(dtype)
         self.act_bytes = elem  # activations between kernels are in the model dtype
