@@ -53,9 +53,9 @@ VLLM_BATCH_DEFAULTS_SMALL = (2048, 256)
 # are captured after the KV pool is allocated in the vLLM versions we know of, out of the
 # (1 - gpu_memory_utilization) headroom, so they are not charged here.
 DEFAULT_OTHER_BYTES = 1 * GiB
-# float32 [max_num_seqs, vocab] buffers alive at the sampler's peak in the profile run (the logits
-# and one derived copy: probabilities or log-probabilities).
-SAMPLER_LOGIT_COPIES = 2
+# Bytes per [max_num_seqs, vocab] element alive at the sampler's peak in the profile run: float32
+# logits and probabilities, and a top-k/top-p sort's float32 values and int64 indices.
+SAMPLER_BYTES_PER_LOGIT = 4 + 4 + 4 + 8
 
 
 def resolve_model(model: str | ModelConfig) -> ModelConfig:
@@ -202,19 +202,27 @@ def vllm_batch_defaults(hardware: str | Hardware) -> tuple[int, int]:
 
 
 def activation_elements_per_token(model: str | ModelConfig) -> int:
-    """Activation elements one token holds at the peak of a layer in a prefill batch (estimate):
-    residual + normed input (2D), fused q/k/v ((H + 2K) * E), attention output (H * E), and the
-    MLP: dense gate/up output and activation (3F), or MoE router logits (X) plus the fused-MoE
-    intermediate buffers per routed copy (top_k * (2F + F + D))."""
+    """Activation elements one token holds at the peak of a layer in vLLM's profile forward.
+
+    Tensors are freed as soon as the next op has consumed them, so the peak is the hidden state
+    and residual carried between layers (2D) plus the widest single stage, not the sum of all:
+
+    - attention stage: normed input (D), fused q/k/v ((H + 2K) * E), q and k after RoPE
+      ((H + K) * E), attention output (H * E);
+    - dense MLP stage: normed input (D), fused gate/up (2F), SiLU(gate) * up (F);
+    - MoE stage (vLLM's fused_moe): normed input (D), router logits (X), and the three
+      intermediate caches per routed copy, ``top_k * (2F + F + D)``.
+    """
     cfg = resolve_model(model)
     d, e = cfg.hidden_size, cfg.head_dim
-    attention = 2 * d + (cfg.num_heads + 2 * cfg.num_kv_heads) * e + cfg.num_heads * e
+    attention = d + (cfg.num_heads + 2 * cfg.num_kv_heads) * e
+    attention += (cfg.num_heads + cfg.num_kv_heads) * e + cfg.num_heads * e
     if cfg.is_moe:
         f = cfg.moe_intermediate_size
-        mlp = cfg.num_experts + cfg.num_experts_per_tok * (3 * f + d)
+        mlp = d + cfg.num_experts + cfg.num_experts_per_tok * (3 * f + d)
     else:
-        mlp = 3 * cfg.intermediate_size
-    return attention + mlp
+        mlp = d + 3 * cfg.intermediate_size
+    return 2 * d + max(attention, mlp)
 
 
 def estimate_activation_bytes(
@@ -225,16 +233,19 @@ def estimate_activation_bytes(
     dtype: Any = "bfloat16",
     other_bytes: int = DEFAULT_OTHER_BYTES,
 ) -> int:
-    """An estimate of "peak activations + other" in vLLM's formula, i.e. what its profile run
-    (one forward of ``max_num_batched_tokens`` tokens, then sampling ``max_num_seqs`` rows) adds
-    on top of the weights:
+    """The "peak activations + other" of vLLM's formula, computed as its profile run incurs them:
+    one forward of ``max_num_batched_tokens`` tokens, then the sampler over ``max_num_seqs``
+    rows (the dummy sampler run uses top-k / top-p, so it sorts)::
 
-        max_num_batched_tokens * activation_elements_per_token(model) * dtype bytes
-        + SAMPLER_LOGIT_COPIES * max_num_seqs * vocab * 4     (float32 logits in the sampler)
-        + other_bytes                                          (workspaces etc., DEFAULT 1 GiB)
+        forward = max_num_batched_tokens * activation_elements_per_token(model) * dtype bytes
+        sampler = max_num_batched_tokens * hidden * dtype bytes       (the kept hidden states)
+                  + rows * vocab * SAMPLER_BYTES_PER_LOGIT             (rows = min(seqs, tokens))
+        peak    = max(forward, sampler) + other_bytes
 
-    It is a model of the measurement, not the measurement: pass the number from a vLLM log
-    ("model weights take ... ; non_torch_memory ... ; PyTorch activation peak memory ...") as
+    The sampler's bytes per logit: float32 logits (4), probabilities (4), and a sort's float32
+    values plus int64 indices (12). ``other_bytes`` (workspaces, allocator slack; DEFAULT 1 GiB)
+    is the one term not derived from the shapes. A model of the measurement, not the
+    measurement: pass the figure of a vLLM log ("PyTorch activation peak memory ...") as
     ``activation_bytes`` to ``kv_capacity`` when one is at hand.
     """
     cfg = resolve_model(model)
@@ -245,9 +256,12 @@ def estimate_activation_bytes(
         )
     if other_bytes < 0:
         raise ValueError(f"other_bytes must be >= 0, got {other_bytes}")
-    forward = max_num_batched_tokens * activation_elements_per_token(cfg) * dtype_bytes(dtype)
-    sampler = SAMPLER_LOGIT_COPIES * min(max_num_seqs, max_num_batched_tokens) * cfg.vocab_size * 4
-    return forward + sampler + other_bytes
+    elem = dtype_bytes(dtype)
+    forward = max_num_batched_tokens * activation_elements_per_token(cfg) * elem
+    rows = min(max_num_seqs, max_num_batched_tokens)
+    sampler = max_num_batched_tokens * cfg.hidden_size * elem
+    sampler += rows * cfg.vocab_size * SAMPLER_BYTES_PER_LOGIT
+    return max(forward, sampler) + other_bytes
 
 
 @dataclass(frozen=True)
