@@ -34,8 +34,9 @@ The decoded tile is computed with the same float32 operations as ``research.quan
 (bit-identical values), cast to lhs.dtype and fed to the MMA with float32 accumulation (IEEE
 float32 MMA, not TF32, for float32 lhs). The output is lhs.dtype.
 
-Status: checked in interpret mode on CPU and lowered to Triton IR for CUDA without a GPU; not yet
-compiled to PTX or run on a GPU, and block sizes are untuned. E4M3 loads (nvfp4 scales, fp8 codes)
+Status: checked in interpret mode on CPU; its Triton modules pass the MLIR verifier and compile
+offline to cubin for sm_90 and sm_121 (``pallas_kernels.verify``); not yet run on a GPU, and the
+per-GPU blocks (``pallas_kernels.tuning``) fit shared memory but are untuned for speed. E4M3 loads (nvfp4 scales, fp8 codes)
 need sm_89 or newer (H200: sm_90, GB10: sm_121).
 """
 
@@ -255,8 +256,10 @@ def _kernel(
         )
         return acc + pltriton.dot(x, w.astype(x.dtype), precision=precision)
 
-    # A visit with no rows to multiply (zero-fill or padding) skips the K loop.
-    num_k_steps = jnp.where(hi > lo, k // block_k, 0)
+    # A visit with no rows to multiply (zero-fill or padding) skips the K loop. Both branches are
+    # int32 arrays: with Python ints, Pallas' Triton lowering gives the constants the predicate's
+    # i1 type and the loop bound no longer matches the loop variable (an invalid scf.for).
+    num_k_steps = jnp.where(hi > lo, jnp.int32(k // block_k), jnp.int32(0))
     acc = jax.lax.fori_loop(0, num_k_steps, k_step, jnp.zeros((block_m, block_n), jnp.float32))
     store_mask = ((rows >= lo) & (rows < write_hi))[:, None] & col_ok[None, :]
     pltriton.store(

@@ -23,6 +23,10 @@ take ``sm_scale``, default 1/sqrt(D), and apply it to the float32 scores); int4 
 and compute blocks adapt to the table width (it need not divide by ``k_splits``); the partial
 results stay float32.
 
+Precision: float32 operands multiply as IEEE float32 (``Precision.HIGHEST``; Triton would run
+them as TF32 otherwise); bf16/f16 operands accumulate in float32. Checked on the Triton module by
+``pallas_kernels.verify``, which also compiles every configuration offline for sm_90 and sm_121.
+
 Axis legend: B = batch (sequences), H = query heads, K = kv heads, G = H / K query heads per kv
 head, Gp = G padded to a power of two >= 16, P = pages in the pool, S = page size (tokens per
 page), M = pages per sequence (block-table width), D = head_dim, Dk = stored code width,
@@ -101,6 +105,9 @@ def _kernel(
     else:
         qs = (q_ref[...],)
     qs = tuple(x.astype(compute_dtype) for x in qs)
+    # float32 operands: IEEE float32 MMAs. Without a precision Triton runs them as TF32 (10-bit
+    # mantissas); bf16/f16 operands ignore it and accumulate in float32 either way.
+    precision = jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
 
     def body(i, carry):
         accs, m_prev, l_prev = carry
@@ -132,7 +139,8 @@ def _kernel(
             return pltriton.load(ref.at[ids[:, None], offset], mask=valid, other=0).reshape(block_t)
 
         scores = sum(
-            pltriton.dot(q, k, trans_b=True) for q, k in zip(qs, load_codes(k_ref), strict=True)
+            pltriton.dot(q, k, trans_b=True, precision=precision)
+            for q, k in zip(qs, load_codes(k_ref), strict=True)
         )
         if ks_ref is None:
             scores = scores * sm_scale
@@ -148,7 +156,7 @@ def _kernel(
             p = p * load_scales(vs_ref)[None, :]
         p = p.astype(compute_dtype)
         accs = tuple(
-            correction[:, None] * acc + pltriton.dot(p, v)
+            correction[:, None] * acc + pltriton.dot(p, v, precision=precision)
             for acc, v in zip(accs, load_codes(v_ref), strict=True)
         )
         return accs, m_next, l_next

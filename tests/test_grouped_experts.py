@@ -1,5 +1,5 @@
-"""Grouped-experts Pallas kernel (interpret mode) against ``ragged_dot`` on dequantized weights,
-its tile schedule, the dense ``quantized_matmul``, input validation and the GPU (Triton) lowering.
+"""Grouped-experts Pallas kernel (interpreted on CPU, compiled on a GPU) against ``ragged_dot`` on
+dequantized weights, its tile schedule, the dense ``quantized_matmul``, input validation and the GPU (Triton) lowering.
 
 Tolerances: the kernel decodes each weight tile with the same float32 operations as
 ``research.quant.dequantize``, so kernel and reference multiply identical operands and differ only
@@ -30,9 +30,11 @@ from pallas_kernels.grouped_experts import (
 )
 from research.quant import FORMATS, QTensor, dequantize, quantize
 
+# Interpreted on CPU; compiled on a GPU (``python -m pallas_kernels.gpu_check`` runs this file there).
+INTERPRET = jax.default_backend() != "gpu"
 M, K, N, G = 48, 256, 96, 6  # N = 1.5 block_n: the last N tile is partial
 BLOCKS = dict(block_m=16, block_n=64, block_k=64)  # 3 row tiles, 4 K steps
-kernel = functools.partial(grouped_experts, **BLOCKS, interpret=True)
+kernel = functools.partial(grouped_experts, **BLOCKS, interpret=INTERPRET)
 
 # All share (M, G), so each rhs kind compiles once. Sums below M leave trailing rows (must be 0).
 GROUP_SIZES = {
@@ -143,7 +145,7 @@ def test_other_block_k(fmt: str, block_k: int):
     lhs, rhs = _lhs(jnp.float32), _rhs(fmt)
     group_sizes = jnp.asarray(GROUP_SIZES["mixed"], jnp.int32)
     out = grouped_experts(
-        lhs, rhs, group_sizes, block_m=16, block_n=32, block_k=block_k, interpret=True
+        lhs, rhs, group_sizes, block_m=16, block_n=32, block_k=block_k, interpret=INTERPRET
     )
     _check(out, grouped_experts_reference(lhs, rhs, group_sizes))
 
@@ -153,7 +155,7 @@ def test_quantized_matmul(fmt: str):
     x = jnp.asarray(_normal(2, (2, 5, 128)))  # leading batch dims
     w = jnp.asarray(_normal(3, (128, 40)))  # N = 40: a partial block_n tile
     wq = quantize(w, fmt) if fmt in FORMATS else w
-    out = quantized_matmul(x, wq, block_n=32, block_k=64, interpret=True)
+    out = quantized_matmul(x, wq, block_n=32, block_k=64, interpret=INTERPRET)
     dense = dequantize(wq) if fmt in FORMATS else w
     expected = jnp.einsum("abk,kn->abn", x, dense, precision=jax.lax.Precision.HIGHEST)
     _check(out, expected)
@@ -198,6 +200,6 @@ def test_bad_inputs_raise():
     ]
     for args, kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
-            grouped_experts(*args, interpret=True, **kwargs)
+            grouped_experts(*args, interpret=INTERPRET, **kwargs)
     with pytest.raises(ValueError, match="w must be"):
-        quantized_matmul(lhs, rhs, interpret=True)
+        quantized_matmul(lhs, rhs, interpret=INTERPRET)

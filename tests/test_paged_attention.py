@@ -1,5 +1,5 @@
-"""Paged decode attention (Pallas, Triton backend) in interpret mode: the kernel against its jnp
-reference and JAX's own Pallas op, KV quantization round trips and layouts, the split over pages,
+"""Paged decode attention (Pallas, Triton backend; interpreted on CPU, compiled on a GPU): the
+kernel against its jnp reference and JAX's own Pallas op, KV quantization round trips and layouts, the split over pages,
 GPU lowering without a GPU, and argument validation.
 
 Inputs are poisoned: every KV slot no valid token uses (whole unused pages, the tail of each
@@ -31,6 +31,8 @@ from research.quant.kv import (
     quantize_kv,
 )
 
+# Interpreted on CPU; compiled on a GPU (``python -m pallas_kernels.gpu_check`` runs this file there).
+INTERPRET = jax.default_backend() != "gpu"
 # Jitted: one compile per shape instead of one per jnp op.
 quantize = jax.jit(quantize_kv, static_argnums=1)
 dequantize = jax.jit(dequantize_kv, static_argnums=2)
@@ -102,7 +104,7 @@ def _call(fn, case, **kwargs):
     )
 
 
-kernel = functools.partial(paged_attention, interpret=True)
+kernel = functools.partial(paged_attention, interpret=INTERPRET)
 
 
 def _assert_close(out: jax.Array, ref: jax.Array, tol: float) -> None:
@@ -198,7 +200,7 @@ def test_matches_jax_pallas_op(kv):
         case.get("v_scales"),
         pages_per_compute_block=2,
         k_splits=2,
-        interpret=True,
+        interpret=INTERPRET,
     )
     ours = _call(kernel, case, sm_scale=sm_scale, pages_per_compute_block=2, k_splits=2)
     _assert_close(ours, theirs, F32_TOL)

@@ -241,6 +241,7 @@ def _kernel_attention(
     Every query token becomes one kernel query with its row's block table and the row's cached
     length (its start position), so a prefill chunk of T tokens costs T decode queries."""
     from pallas_kernels.paged_attention import paged_attention
+    from pallas_kernels.tuning import target_for_backend
 
     r, t, h, e = q.shape
     start = jnp.maximum(positions[:, 0], 0)  # cached tokens per row (0 for padding rows)
@@ -254,6 +255,13 @@ def _kernel_attention(
         k_scales=pool.k_scales[layer] if pool.quantized else None,
         v_scales=pool.v_scales[layer] if pool.quantized else None,
         return_lse=True,
+        **target_for_backend(backend).paged_attention.kwargs(
+            page_size=pool.k[layer].shape[2],
+            head_dim=e,
+            code_dim=pool.k[layer].shape[3],
+            q_dtype=q.dtype,
+            page_dtype=pool.k[layer].dtype,
+        ),
         interpret=backend == "pallas_interpret",
     )
     new_out, new_lse = attention_with_lse(q, k_new, v_new, _new_token_mask(positions), scale)

@@ -77,10 +77,11 @@ def linear(x: jax.Array, w: jax.Array | QTensor, backend: str = "xla") -> jax.Ar
         return x @ w
     if backend == "xla":
         return x @ dequantize(w).astype(x.dtype)
-    from pallas_kernels.grouped_experts import fitting_block_k, quantized_matmul
+    from pallas_kernels.grouped_experts import quantized_matmul
+    from pallas_kernels.tuning import target_for_backend
 
-    block_k = fitting_block_k(w.shape[-2])
-    return quantized_matmul(x, w, block_k=block_k, interpret=backend == "pallas_interpret")
+    blocks = target_for_backend(backend).grouped_experts.kwargs(w.shape[-2])
+    return quantized_matmul(x, w, **blocks, interpret=backend == "pallas_interpret")
 
 
 def swiglu(

@@ -39,11 +39,12 @@ def grouped_matmul(
         if isinstance(rhs, QTensor):
             rhs = dequantize(rhs).astype(lhs.dtype)
         return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype)
-    from pallas_kernels.grouped_experts import fitting_block_k, grouped_experts
+    from pallas_kernels.grouped_experts import grouped_experts
+    from pallas_kernels.tuning import target_for_backend
 
-    block_k = fitting_block_k(rhs.shape[-2])
+    blocks = target_for_backend(backend).grouped_experts.kwargs(rhs.shape[-2])
     interpret = backend == "pallas_interpret"
-    return grouped_experts(lhs, rhs, group_sizes, block_k=block_k, interpret=interpret)
+    return grouped_experts(lhs, rhs, group_sizes, **blocks, interpret=interpret)
 
 
 def moe_mlp(

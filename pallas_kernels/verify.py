@@ -1,0 +1,253 @@
+"""Every kernel configuration the engine can pick, verified and compiled offline for its GPU.
+
+``python -m pallas_kernels.verify [--targets h200,gb10,fallback] [--no-compile] [--quick]``
+lowers each configuration of ``pallas_kernels.tuning`` for CUDA (no GPU needed), runs the MLIR
+verifier on its Triton module, checks that float32 dots run as IEEE float32 (not TF32) and that
+every dot accumulates in float32, then compiles it with the triton package to PTX and cubin for
+the target's architecture and prints registers, spills and shared memory against the target's
+per-block limit. It exits non-zero if any configuration fails.
+
+The configurations are the engine's: the attention shapes of the presets (SmolLM2-135M,
+Qwen3-30B-A3B, Llama-3.3-70B, gpt-oss-120b) at block sizes 8 to 128, float32 / bfloat16 queries
+with float, fp8 and int4 KV pages; the grouped-experts kernel on Qwen3-30B-A3B's expert GEMMs and
+SmolLM2's linear layers, in every weight format with float32 and bfloat16 activations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.grouped_experts import grouped_experts
+from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.triton_ir import (
+    CompiledKernel,
+    TritonModule,
+    compile_offline,
+    lower_triton_modules,
+    triton_compiler_available,
+)
+from pallas_kernels.tuning import FALLBACK, TARGETS, GpuTarget
+from research.quant import FORMATS, quantize
+from research.quant.kv import kv_code_dtype, kv_code_shape
+from research.quant.layout import awq_group_size
+
+# (query heads, kv heads, head_dim) of the presets' attention.
+ATTENTION_SHAPES = {
+    "smollm2-135m": (9, 3, 64),
+    "qwen3-30b-a3b": (32, 4, 128),
+    "llama-3.3-70b": (64, 8, 128),
+    "gpt-oss-120b": (64, 8, 64),
+}
+PAGE_SIZES = (8, 16, 32, 64, 128)
+KV_DTYPES = ("auto", "fp8", "int4")
+# (K, N) of the expert / linear GEMMs.
+GEMM_SHAPES = {
+    "qwen3-30b-a3b gate/up": (2048, 768),
+    "qwen3-30b-a3b down": (768, 2048),
+    "smollm2-135m gate/up": (576, 1536),
+    "smollm2-135m down": (1536, 576),
+}
+WEIGHT_FORMATS = (None, *FORMATS)
+ACTIVATION_DTYPES = (jnp.float32, jnp.bfloat16)
+BATCH, PAGES_PER_SEQ, NUM_PAGES = 8, 64, 1024  # the grid and pool size do not change the IR
+ROWS, EXPERTS = 64, 8
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCase:
+    """One kernel call as the engine would make it on a target."""
+
+    label: str
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]  # jax.ShapeDtypeStruct leaves: nothing is allocated
+    kwargs: dict[str, Any]
+    num_warps: int
+    num_stages: int
+
+
+def _sds(shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def paged_attention_cases(
+    target: GpuTarget,
+    shapes: dict[str, tuple[int, int, int]] = ATTENTION_SHAPES,
+    page_sizes: tuple[int, ...] = PAGE_SIZES,
+) -> list[KernelCase]:
+    cases = []
+    for model, (heads, kv_heads, head_dim) in shapes.items():
+        for page_size in page_sizes:
+            for kv in KV_DTYPES:
+                for q_dtype in ACTIVATION_DTYPES:
+                    code_dtype = kv_code_dtype(kv, q_dtype)
+                    (code_dim,) = kv_code_shape(head_dim, kv)
+                    pages = _sds((kv_heads, NUM_PAGES, page_size, code_dim), code_dtype)
+                    scales = {}
+                    if kv != "auto":
+                        scale = _sds((kv_heads, NUM_PAGES, page_size), jnp.float32)
+                        scales = dict(k_scales=scale, v_scales=scale)
+                    blocks = target.paged_attention.kwargs(
+                        page_size=page_size,
+                        head_dim=head_dim,
+                        code_dim=code_dim,
+                        q_dtype=q_dtype,
+                        page_dtype=code_dtype,
+                    )
+                    cases.append(
+                        KernelCase(
+                            label=(
+                                f"paged_attention {model} S={page_size} kv={kv} "
+                                f"q={jnp.dtype(q_dtype).name} "
+                                f"tile={blocks['pages_per_compute_block'] * page_size}"
+                            ),
+                            fn=paged_attention,
+                            args=(
+                                _sds((BATCH, heads, head_dim), q_dtype),
+                                pages,
+                                pages,
+                                _sds((BATCH, PAGES_PER_SEQ), jnp.int32),
+                                _sds((BATCH,), jnp.int32),
+                            ),
+                            kwargs=dict(**scales, return_lse=True, **blocks),
+                            num_warps=blocks["num_warps"],
+                            num_stages=blocks["num_stages"],
+                        )
+                    )
+    return cases
+
+
+@functools.cache
+def _weight(fmt: str | None, k: int, n: int, dtype) -> Any:
+    """The weight's storage as ShapeDtypeStructs (``quantize`` traced, never run)."""
+    w = _sds((EXPERTS, k, n), jnp.float32)
+    if fmt is None:
+        return _sds(w.shape, dtype)
+    group_size = awq_group_size(k) if fmt == "awq" else None  # as the engine's quantizer picks
+    return jax.eval_shape(functools.partial(quantize, fmt=fmt, group_size=group_size), w)
+
+
+def grouped_experts_cases(
+    target: GpuTarget, shapes: dict[str, tuple[int, int]] = GEMM_SHAPES
+) -> list[KernelCase]:
+    cases = []
+    for name, (k, n) in shapes.items():
+        blocks = target.grouped_experts.kwargs(k)
+        for fmt in WEIGHT_FORMATS:
+            for dtype in ACTIVATION_DTYPES:
+                dname = jnp.dtype(dtype).name
+                cases.append(
+                    KernelCase(
+                        label=(
+                            f"grouped_experts {name} w={fmt or dname} x={dname} "
+                            f"bm={blocks['block_m']} bn={blocks['block_n']} bk={blocks['block_k']}"
+                        ),
+                        fn=grouped_experts,
+                        args=(
+                            _sds((ROWS, k), dtype),
+                            _weight(fmt, k, n, dtype),
+                            _sds((EXPERTS,), jnp.int32),
+                        ),
+                        kwargs=blocks,
+                        num_warps=blocks["num_warps"],
+                        num_stages=blocks["num_stages"],
+                    )
+                )
+    return cases
+
+
+def kernel_cases(target: GpuTarget, quick: bool = False) -> list[KernelCase]:
+    """The engine's configurations on ``target``; ``quick`` keeps the extreme page sizes and
+    two attention shapes (the tests' lowering set)."""
+    if quick:
+        shapes = {m: ATTENTION_SHAPES[m] for m in ("smollm2-135m", "qwen3-30b-a3b")}
+        return paged_attention_cases(target, shapes, (8, 16, 128)) + grouped_experts_cases(target)
+    return paged_attention_cases(target) + grouped_experts_cases(target)
+
+
+def lower_case(case: KernelCase) -> TritonModule:
+    (module,) = lower_triton_modules(case.fn, *case.args, **case.kwargs)
+    return module
+
+
+def dot_problems(module: TritonModule) -> list[str]:
+    """Precision rules: float32 operands multiply as IEEE float32; everything accumulates in
+    float32."""
+    problems = []
+    for operand, precision, accumulator in module.dots():
+        if operand == "f32" and precision != "ieee":
+            problems.append(f"f32 dot runs as {precision}")
+        if accumulator != "f32":
+            problems.append(f"{operand} dot accumulates in {accumulator}")
+    return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseResult:
+    case: KernelCase
+    module: TritonModule
+    compiled: CompiledKernel | None
+    problems: tuple[str, ...]
+
+
+def check_case(case: KernelCase, target: GpuTarget, compile: bool) -> CaseResult:
+    module = lower_case(case)
+    problems = [] if module.verified else [f"MLIR verification failed: {module.error}"]
+    problems += dot_problems(module)
+    compiled = None
+    if compile and module.verified:
+        compiled = compile_offline(
+            module, target.compute_capability, num_warps=case.num_warps, num_stages=case.num_stages
+        )
+        if compiled.shared_bytes > target.max_shared_bytes:
+            problems.append(
+                f"{compiled.shared_bytes} B shared memory > {target.max_shared_bytes} B on "
+                f"{target.name}"
+            )
+    return CaseResult(case, module, compiled, tuple(problems))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    all_targets = {**TARGETS, FALLBACK.name: FALLBACK}
+    parser.add_argument("--targets", default=",".join(all_targets))
+    parser.add_argument("--no-compile", action="store_true", help="verify the IR only")
+    parser.add_argument("--quick", action="store_true", help="the tests' smaller set")
+    args = parser.parse_args(argv)
+    compile = not args.no_compile
+    if compile and (reason := triton_compiler_available()):
+        print(f"offline compilation skipped: {reason}")
+        compile = False
+    failures = 0
+    for name in args.targets.split(","):
+        target = all_targets[name]
+        print(
+            f"\n== {target.name}: sm_{target.compute_capability}, shared memory limit "
+            f"{target.max_shared_bytes // 1024} KiB per block =="
+        )
+        print(f"{'configuration':<78} {'IR':>3} {'regs':>4} {'smem KiB':>8} {'spill':>5}  notes")
+        start = time.perf_counter()
+        for case in kernel_cases(target, quick=args.quick):
+            result = check_case(case, target, compile)
+            failures += bool(result.problems)
+            c = result.compiled
+            regs = (
+                f"{c.registers:>4} {c.shared_bytes / 1024:>8.1f} {c.spills:>5}" if c else " " * 19
+            )
+            ok = "ok" if result.module.verified else "BAD"
+            print(f"{case.label:<78} {ok:>3} {regs}  {'; '.join(result.problems)[:200]}")
+        print(f"({time.perf_counter() - start:.0f} s)")
+    print(f"\n{failures} configuration(s) failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
