@@ -236,7 +236,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, execute and commit one iteration; outputs of requests that advanced.
 
-        If the executor raises, the requests that make it fail are found (``_isolate``) and
+        If the executor raises, the requests that make it fail are found (``isolate_failure``) and
         finished with ``finish_reason="error"``; the others advance as if nothing happened."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
