@@ -20,6 +20,7 @@ import numpy as np
 
 from pallas_kernels.grouped_experts import grouped_experts, grouped_experts_reference
 from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.tuning import INTERPRET, target_for_kind
 from research.perf.hardware import HARDWARE
 from research.quant import FORMATS, QTensor, quantize
 from research.quant.kv import quantize_kv
@@ -83,8 +84,9 @@ def _bench_inputs(
     return (q, k, v, tables.astype(jnp.int32), lengths), scales, nbytes
 
 
-def paged_attention_bench(iters: int = 20) -> None:
-    """Sweep batch/context/KV format on the default device and print achieved bandwidth."""
+def paged_attention_bench(iters: int = 20) -> list[dict]:
+    """Sweep batch/context/KV format on the default device, print achieved bandwidth and return
+    one row per case (kv, batch, context, k_splits, seconds, gb_per_s, peak_fraction)."""
     device = jax.devices()[0]
     interpret = device.platform != "gpu"
     peak = peak_bandwidth(device)
@@ -101,12 +103,23 @@ def paged_attention_bench(iters: int = 20) -> None:
     peak_text = f"{peak / 1e9:.0f} GB/s" if peak else "unknown (not in research.perf.hardware)"
     print(f"device {device.device_kind}, peak bandwidth {peak_text}; attention {model}")
     print(f"{'kv':>5} {'batch':>5} {'context':>7} {'splits':>6} {'us':>9} {'GB/s':>8} {'%peak':>6}")
+    target = INTERPRET if interpret else target_for_kind(device.device_kind)
     key = jax.random.key(0)
+    results = []
     for batch, context in sizes:
         for kv in KV_FORMATS:
             args, scales, nbytes = _bench_inputs(key, kv, batch=batch, context=context, **model)
+            q, k_pages = args[0], args[1]
+            blocks = target.paged_attention.kwargs(
+                page_size=model["page_size"],
+                head_dim=model["head_dim"],
+                code_dim=k_pages.shape[-1],
+                q_dtype=q.dtype,
+                page_dtype=k_pages.dtype,
+            )
             for k_splits in splits:
-                fn = functools.partial(paged_attention, k_splits=k_splits, interpret=interpret)
+                blocks = {**blocks, "k_splits": k_splits}
+                fn = functools.partial(paged_attention, **blocks, interpret=interpret)
                 seconds = _time(fn, *args, iters=iters, **scales)
                 gbps = nbytes / seconds / 1e9
                 pct = f"{100 * nbytes / seconds / peak:6.1f}" if peak else f"{'-':>6}"
@@ -114,7 +127,19 @@ def paged_attention_bench(iters: int = 20) -> None:
                     f"{kv:>5} {batch:>5} {context:>7} {k_splits:>6} {seconds * 1e6:9.1f} "
                     f"{gbps:8.1f} {pct}"
                 )
+                results.append(
+                    dict(
+                        kv=kv,
+                        batch=batch,
+                        context=context,
+                        k_splits=k_splits,
+                        seconds=seconds,
+                        gb_per_s=gbps,
+                        peak_fraction=nbytes / seconds / peak if peak else None,
+                    )
+                )
             del args, scales
+    return results
 
 
 # ---- grouped experts ------------------------------------------------------------------------
@@ -126,8 +151,10 @@ def _route(rng: np.random.Generator, tokens: int, experts: int, top_k: int) -> n
     return np.bincount(picks.reshape(-1), minlength=experts).astype(np.int32)
 
 
-def grouped_experts_bench(iters: int = 20) -> None:
-    """Benchmark Qwen3-30B-A3B expert GEMMs (gate/up [E, 2048, 768], down [E, 768, 2048])."""
+def grouped_experts_bench(iters: int = 20) -> list[dict]:
+    """Benchmark Qwen3-30B-A3B expert GEMMs (gate/up [E, 2048, 768], down [E, 768, 2048]) with
+    the device's block configuration (``pallas_kernels.tuning``); print and return one row per
+    case (tokens, matmul, format, experts, seconds, gb_per_s, peak_fraction, rel_err)."""
     device = jax.devices()[0]
     on_cpu = device.platform == "cpu"
     if on_cpu:
@@ -155,17 +182,18 @@ def grouped_experts_bench(iters: int = 20) -> None:
         f"{'tokens':>6} {'matmul':>8} {'format':>6} {'experts':>7} {'us':>9} {'GB/s':>8} "
         f"{'%peak':>6} {'rel err':>8}"
     )
+    results = []
+    target = INTERPRET if on_cpu else target_for_kind(device.device_kind)
     for tokens in token_counts:
         group_sizes = _route(rng, tokens, experts, top_k)
         touched = int(np.count_nonzero(group_sizes))
         rows = tokens * top_k
         # Rows per touched expert, rounded up to a power of two in [16, 64].
         block_m = min(max(16, 1 << (-(-rows // touched) - 1).bit_length()), 64)
-        kernel = functools.partial(
-            grouped_experts, block_m=block_m, block_n=64, block_k=64, interpret=on_cpu
-        )
         gs = jnp.asarray(group_sizes)
         for name, (k, n) in shapes.items():
+            blocks = {**target.grouped_experts.kwargs(k), "block_m": block_m}
+            kernel = functools.partial(grouped_experts, **blocks, interpret=on_cpu)
             lhs = jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.bfloat16)
             for fmt, w in weights[name].items():
                 seconds = _time(kernel, lhs, w, gs, iters=iters)
@@ -179,6 +207,19 @@ def grouped_experts_bench(iters: int = 20) -> None:
                     f"{tokens:>6} {name:>8} {fmt:>6} {touched:>7} {seconds * 1e6:>9.1f} "
                     f"{moved / seconds / 1e9:>8.1f} {frac:>6} {err:>8.1e}"
                 )
+                results.append(
+                    dict(
+                        tokens=tokens,
+                        matmul=name,
+                        format=fmt,
+                        experts=touched,
+                        seconds=seconds,
+                        gb_per_s=moved / seconds / 1e9,
+                        peak_fraction=moved / seconds / peak if peak else None,
+                        rel_err=err,
+                    )
+                )
+    return results
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -210,3 +210,11 @@ def test_attention_tile_shrinks_to_the_shared_memory_and_register_budgets():
     assert pages(128, 128, jnp.bfloat16)["pages_per_compute_block"] == 1  # never below a page
     assert pages(8, 128, jnp.float32, jnp.float32)["pages_per_compute_block"] == 2  # >= 16 tokens
     assert GroupedExpertsConfig(block_k=128).kwargs(576)["block_k"] == 64
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU answer")
+def test_gpu_check_without_a_gpu_says_so_and_succeeds(capsys):
+    from pallas_kernels import gpu_check
+
+    assert gpu_check.main([]) == 0
+    assert "no GPU on this machine" in capsys.readouterr().out
