@@ -192,7 +192,7 @@ def grouped_experts_bench(iters: int = 20) -> list[dict]:
         block_m = min(max(16, 1 << (-(-rows // touched) - 1).bit_length()), 64)
         gs = jnp.asarray(group_sizes)
         for name, (k, n) in shapes.items():
-            blocks = {**target.grouped_experts.kwargs(k), "block_m": block_m}
+            blocks = {**target.grouped_experts.kwargs(k, jnp.bfloat16), "block_m": block_m}
             kernel = functools.partial(grouped_experts, **blocks, interpret=on_cpu)
             lhs = jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.bfloat16)
             for fmt, w in weights[name].items():

@@ -8,7 +8,10 @@ is sm_121 with 99 KiB (100 KB per SM). An unknown GPU gets the conservative ``FA
 to the 48 KiB every CUDA GPU gives a block without opting in.
 
 The numbers are chosen to fit, not yet tuned for speed on the hardware: fewer pipeline stages
-where shared memory is small (GB10), and the larger tiles where it is not.
+where shared memory is small (GB10), and the larger tiles where it is not. float32 operands run
+as IEEE float32 dots on FMA units with their operands in registers, so float32 tiles are smaller
+and get 8 warps (the sizes that ptxas compiles without spills). One case still spills: float32
+attention over 128-token pages, because a page is the kernel's smallest tile (bf16 does not).
 """
 
 from __future__ import annotations
@@ -74,12 +77,36 @@ class GroupedExpertsConfig:
     block_k: int = 128  # an upper bound: the kernel call uses the largest power of two dividing K
     num_warps: int = 4
     num_stages: int = 3
+    # float32 activations (IEEE float32 dots, operands in registers): weight tiles of at most
+    # this many block_k x block_n elements, with ``float32_num_warps`` warps. Compiled offline
+    # for sm_90, 64 x 64 and 32 x 128 with 8 warps spill nothing, 64 x 128 spills. None: the
+    # bf16 rules apply.
+    float32_tile_elements: int | None = 4096
+    float32_num_warps: int = 8
 
-    def kwargs(self, k: int) -> dict[str, int]:
-        """Kernel keyword arguments for a reduction width ``k``."""
-        from pallas_kernels.grouped_experts import fitting_block_k
+    def kwargs(self, k: int, lhs_dtype: Any = jnp.bfloat16) -> dict[str, int]:
+        """Kernel keyword arguments for a reduction width ``k`` and activations of
+        ``lhs_dtype``."""
+        from pallas_kernels.grouped_experts import MIN_BLOCK, fitting_block_k
 
-        return {**dataclasses.asdict(self), "block_k": fitting_block_k(k, self.block_k)}
+        block_n, block_k = self.block_n, fitting_block_k(k, self.block_k)
+        num_warps = self.num_warps
+        if jnp.dtype(lhs_dtype) == jnp.float32 and self.float32_tile_elements is not None:
+            num_warps = self.float32_num_warps
+            while block_n * block_k > self.float32_tile_elements:
+                if block_k >= block_n and block_k > MIN_BLOCK:
+                    block_k //= 2
+                elif block_n > MIN_BLOCK:
+                    block_n //= 2
+                else:
+                    break
+        return dict(
+            block_m=self.block_m,
+            block_n=block_n,
+            block_k=block_k,
+            num_warps=num_warps,
+            num_stages=self.num_stages,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +160,7 @@ INTERPRET = GpuTarget(
     compute_capability=0,
     max_shared_bytes=0,
     paged_attention=PagedAttentionConfig(float32_tile_elements=None),
-    grouped_experts=GroupedExpertsConfig(),
+    grouped_experts=GroupedExpertsConfig(float32_tile_elements=None),
 )
 
 

@@ -140,9 +140,9 @@ def grouped_experts_cases(
 ) -> list[KernelCase]:
     cases = []
     for name, (k, n) in shapes.items():
-        blocks = target.grouped_experts.kwargs(k)
         for fmt in WEIGHT_FORMATS:
             for dtype in ACTIVATION_DTYPES:
+                blocks = target.grouped_experts.kwargs(k, dtype)
                 dname = jnp.dtype(dtype).name
                 cases.append(
                     KernelCase(

@@ -167,10 +167,13 @@ def test_blocks_are_powers_of_two_triton_accepts(target):
 
     ge = target.grouped_experts
     for k in (576, 768, 1536, 2048):
-        blocks = ge.kwargs(k)
-        for name in ("block_m", "block_n", "block_k"):
-            assert power_of_two(blocks[name]) and blocks[name] >= 16, (name, blocks)
-        assert k % blocks["block_k"] == 0
+        for lhs_dtype in (jnp.float32, jnp.bfloat16):
+            blocks = ge.kwargs(k, lhs_dtype)
+            for name in ("block_m", "block_n", "block_k"):
+                assert power_of_two(blocks[name]) and blocks[name] >= 16, (name, blocks)
+            assert k % blocks["block_k"] == 0
+            if lhs_dtype == jnp.float32 and ge.float32_tile_elements is not None:
+                assert blocks["block_n"] * blocks["block_k"] <= ge.float32_tile_elements
     for page_size in (8, 16, 32, 64, 128):
         for head_dim, code_dim, page_dtype in ((64, 64, jnp.bfloat16), (128, 64, jnp.uint8)):
             for q_dtype in (jnp.float32, jnp.bfloat16):
@@ -210,6 +213,8 @@ def test_attention_tile_shrinks_to_the_shared_memory_and_register_budgets():
     assert pages(128, 128, jnp.bfloat16)["pages_per_compute_block"] == 1  # never below a page
     assert pages(8, 128, jnp.float32, jnp.float32)["pages_per_compute_block"] == 2  # >= 16 tokens
     assert GroupedExpertsConfig(block_k=128).kwargs(576)["block_k"] == 64
+    f32 = GroupedExpertsConfig(block_n=128, block_k=128).kwargs(2048, jnp.float32)
+    assert (f32["block_n"], f32["block_k"], f32["num_warps"]) == (64, 64, 8)
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU answer")

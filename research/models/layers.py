@@ -80,7 +80,7 @@ def linear(x: jax.Array, w: jax.Array | QTensor, backend: str = "xla") -> jax.Ar
     from pallas_kernels.grouped_experts import quantized_matmul
     from pallas_kernels.tuning import target_for_backend
 
-    blocks = target_for_backend(backend).grouped_experts.kwargs(w.shape[-2])
+    blocks = target_for_backend(backend).grouped_experts.kwargs(w.shape[-2], x.dtype)
     return quantized_matmul(x, w, **blocks, interpret=backend == "pallas_interpret")
 
 

@@ -42,7 +42,7 @@ def grouped_matmul(
     from pallas_kernels.grouped_experts import grouped_experts
     from pallas_kernels.tuning import target_for_backend
 
-    blocks = target_for_backend(backend).grouped_experts.kwargs(rhs.shape[-2])
+    blocks = target_for_backend(backend).grouped_experts.kwargs(rhs.shape[-2], lhs.dtype)
     interpret = backend == "pallas_interpret"
     return grouped_experts(lhs, rhs, group_sizes, **blocks, interpret=interpret)
 
