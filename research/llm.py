@@ -7,6 +7,7 @@ steps until all are done; outputs come back in prompt order.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,7 +44,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str = "smollm2-135m",
+        model: str | os.PathLike = "smollm2-135m",
         *,
         dtype: str = "auto",
         max_model_len: int | None = None,
@@ -66,6 +67,8 @@ class LLM:
         poison_freed_blocks: bool = False,
         cost_model_options: dict[str, Any] | None = None,
     ):
+        if isinstance(model, os.PathLike):
+            model = os.fspath(model)
         if not isinstance(model, str) or not model:
             raise ValueError(f"model must be a preset name or a path, got {model!r}")
         if dtype == "auto":
@@ -211,9 +214,13 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conv in conversations:
+            if not isinstance(conv, (list, tuple)) or not conv:
+                raise ValueError(f"a conversation is a non-empty list of messages, got {conv!r}")
             for m in conv:
                 if not isinstance(m, dict) or "role" not in m or "content" not in m:
                     raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
+                if not isinstance(m["role"], str) or not isinstance(m["content"], str):
+                    raise ValueError(f"a message's role and content must be strings, got {m!r}")
             ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt)
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params)

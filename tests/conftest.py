@@ -31,3 +31,18 @@ def smollm2_hf():
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return model, tokenizer
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_executables():
+    """Drop JAX's compiled executables after each module. XLA:CPU maps a few memory regions per
+    executable and the kernel caps a process at vm.max_map_count (65,530 by default) mappings:
+    the whole suite in one process compiles enough step shapes to reach it, and LLVM's JIT then
+    crashes (SIGSEGV) inside the next compile. Shapes a module needs again recompile."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
