@@ -56,11 +56,24 @@ class SimulatedBackend:
         return self.engine.stats()
 
 
-def _single_stream(run: RunConfig, backend: Any, prompt_len: int, output_len: int) -> dict:
-    from experiments.sweep import run_point
+def _single_stream(run: RunConfig, backend: Any, prompt_len: int) -> dict:
+    """Median TPOT and TTFT (ms) of ``prompts_per_concurrency`` requests sent one at a time,
+    after one untimed request of the same lengths, and the engine's host seconds per step."""
+    from experiments.sweep import _requests
 
-    w = dataclasses.replace(run.workload, input_len=prompt_len, output_len=output_len)
-    return run_point(dataclasses.replace(run, workload=w), backend, 1, progress=False)
+    w = dataclasses.replace(run.workload, input_len=prompt_len)
+    one = dataclasses.replace(run, workload=w)
+    seed = w.seed * 1_000_003 + prompt_len
+    backend.run(_requests(one, backend, 1, seed + 7), 1, False)
+    before = backend.stats()
+    n = run.experiment.prompts_per_concurrency
+    result = backend.run(_requests(one, backend, n, seed), 1, False)
+    after = backend.stats()
+    if failed := [r.error for r in result.records if not r.success]:
+        raise ValueError(f"single-stream run at prompt {prompt_len} failed: {failed[0]}")
+    steps = after["num_steps"] - before["num_steps"]
+    host = (after["host_time_s"] - before["host_time_s"]) / steps
+    return result.metrics() | {"host_s_per_step": host}
 
 
 def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
@@ -75,20 +88,19 @@ def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
     t0 = time.perf_counter()
     real = EngineBackend(run)
     w, s = run.workload, run.scheduler
-    long_prompt = 4 * w.input_len
+    # The second prompt length: 4x the workload's, within max_model_len.
+    long_prompt = min(4 * w.input_len, real.llm.engine.max_model_len - w.output_len)
+    if long_prompt <= w.input_len:
+        raise ValueError(f"max_model_len {real.llm.engine.max_model_len} leaves no longer prompt")
     print(
         f"[validate_host] {real.label}: single-stream runs (prompts {w.input_len}, {long_prompt})"
     )
-    short = _single_stream(run, real, w.input_len, w.output_len)
-    long = _single_stream(run, real, long_prompt, 8)
+    runs = {n: _single_stream(run, real, n) for n in (w.input_len, long_prompt)}
     measured = SingleStream(
-        prompt_len=w.input_len,
         output_len=w.output_len,
-        tpot_s=short["median_tpot_ms"] / 1e3,
-        ttft_s={
-            w.input_len: short["median_ttft_ms"] / 1e3,
-            long_prompt: long["median_ttft_ms"] / 1e3,
-        },
+        tpot_s={n: r["median_tpot_ms"] / 1e3 for n, r in runs.items()},
+        ttft_s={n: r["median_ttft_ms"] / 1e3 for n, r in runs.items()},
+        host_s_per_step=sum(r["host_s_per_step"] for r in runs.values()) / len(runs),
     )
     engine = real.llm.engine
     model = fit_host(
@@ -101,14 +113,7 @@ def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
         quantization=run.quantization.quantization,
         dtype=run.model.dtype,
     )
-    hw = model.hw
-    print(
-        f"  fitted on: TPOT {measured.tpot_s * 1e3:.1f} ms, TTFT "
-        + ", ".join(f"{n}: {t * 1e3:.0f} ms" for n, t in measured.ttft_s.items())
-        + f" -> {hw.achievable_bandwidth / 1e9:.1f} GB/s, "
-        f"{hw.tensor_flops['fp32'] / 1e9:.1f} GFLOP/s, "
-        f"{model.params.per_step_overhead_s * 1e3:.2f} ms per call"
-    )
+    print(f"  {describe_fit(measured, model)}")
     cache = dataclasses.replace(engine.cache_config, num_kv_blocks=engine.block_manager.num_blocks)
     sim_engine = simulated_engine(model, cache, engine.scheduler_config, engine.max_model_len)
     sim = SimulatedBackend(sim_engine, real, f"host-model {run.model.model}")
@@ -126,7 +131,7 @@ def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
             f"{got['per_user_tok_s']:6.1f} measured ({errors['per_user_tok_s']:+.0f}%) "
             f"[{time.perf_counter() - t:.0f} s]"
         )
-    table = format_validation(rows, measured, model)
+    table = describe_fit(measured, model) + "\n\n" + format_validation(rows)
     (out_dir / "validate_host.md").write_text(table + "\n")
     print()
     print(table)
@@ -134,7 +139,21 @@ def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
     return [r["measured"] for r in rows] + [r["predicted"] for r in rows]
 
 
-def format_validation(rows: list[dict[str, Any]], measured: Any, model: Any) -> str:
+def describe_fit(measured: Any, model: Any) -> str:
+    hw, p = model.hw, model.params
+    fitted_on = ", ".join(
+        f"prompt {n}: TPOT {measured.tpot_s[n] * 1e3:.1f} ms, TTFT {t * 1e3:.0f} ms"
+        for n, t in measured.ttft_s.items()
+    )
+    return (
+        f"fitted on single-stream runs ({fitted_on}; host {p.per_step_overhead_s * 1e3:.2f} ms "
+        f"per step, measured) -> {hw.achievable_bandwidth / 1e9:.1f} GB/s, "
+        f"{hw.tensor_flops['fp32'] / 1e9:.1f} GFLOP/s, attention at {p.attention_efficiency:.2f}"
+        " of that"
+    )
+
+
+def format_validation(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| concurrency | per-user tok/s pred | meas | err % | output tok/s pred | meas | err % "
         "| median TTFT ms pred | meas | err % |",

@@ -215,12 +215,16 @@ def test_kv_capacity_by_hand_qwen3_coder_awq_gb10():
 def test_default_activation_estimate_by_hand():
     # GB10 reports >= 70 GiB, so `vllm serve` profiles 8192 tokens and 1024 sequences.
     assert vllm_batch_defaults("gb10") == (8192, 1024)
-    # Per token: residual + normed (2*2048), qkv ((32 + 2*4) * 128), attention out (32 * 128),
-    # router logits (128), fused-MoE buffers 8 * (2*768 + 768 + 2048).
-    per_token = 2 * 2048 + 40 * 128 + 32 * 128 + 128 + 8 * (3 * 768 + 2048)
-    forward = 8192 * per_token * 2  # bf16
-    sampler = 2 * 1024 * 151_936 * 4  # two float32 [seqs, vocab] buffers
-    expected = forward + sampler + GiB  # + 1 GiB "other"
+    # The profile forward's peak per token: hidden + residual (2*2048) plus the widest stage,
+    # here the fused MoE: normed input (2048), router logits (128), 8 * (2*768 + 768 + 2048)
+    # (attention's stage is 2048 + 40*128 + 36*128 + 32*128 = 15,872, narrower).
+    moe_stage = 2048 + 128 + 8 * (3 * 768 + 2048)
+    assert moe_stage > 2048 + 40 * 128 + 36 * 128 + 32 * 128
+    forward = 8192 * (2 * 2048 + moe_stage) * 2  # bf16
+    # The sampler run: kept hidden states + 20 bytes per [seqs, vocab] logit (fp32 logits and
+    # probabilities, a sort's fp32 values and int64 indices).
+    sampler = 8192 * 2048 * 2 + 1024 * 151_936 * 20
+    expected = max(forward, sampler) + GiB  # + 1 GiB "other"
     assert (
         estimate_activation_bytes(
             "qwen3-coder-30b-a3b", max_num_batched_tokens=8192, max_num_seqs=1024

@@ -11,11 +11,13 @@ matrix is [rows, heads, queries, keys]). Each call pays the per-step host overhe
 arrays, dispatch, reading the sampled tokens back).
 
 ``fit_host`` fits the machine's effective read bandwidth, its effective matmul rate and the
-per-call host overhead on three single-stream numbers: the decode time per token and the TTFT at
-two prompt lengths (concurrency 1). Bandwidth and FLOP/s are fitted as absolute rates, i.e. a
-``Hardware`` whose peaks ARE the fitted rates (efficiencies 1): no peak of this CPU is published
-or measured independently. Host time per extra sequence is assumed 0 (one sequence cannot
-separate it from the per-call overhead). Everything at concurrency > 1 is then a prediction.
+attention's efficiency relative to it on four single-stream numbers: the decode time per token
+and the TTFT at two prompt lengths (concurrency 1). The per-call host overhead is the engine's
+own measured host time per step in those runs (``Engine.stats()``), or fitted when not given.
+Bandwidth and FLOP/s are fitted as absolute rates, i.e. a ``Hardware`` whose peaks ARE the fitted
+rates: no peak of this CPU is published or measured independently. Host time per extra sequence
+is assumed 0 (one sequence cannot separate it from the per-call overhead). Everything at
+concurrency > 1 is then a prediction.
 """
 
 from __future__ import annotations
@@ -133,13 +135,14 @@ class HostCostModel(CostModel):
 
 @dataclass(frozen=True)
 class SingleStream:
-    """Measured single-stream figures of our engine: median TPOT at ``prompt_len`` and median
-    TTFT at each prompt length (seconds)."""
+    """Measured single-stream figures of our engine, seconds, per prompt length: median TPOT
+    and median TTFT; ``host_s_per_step``: the engine's own host time per step in those runs
+    (``Engine.stats()``: step time minus time in the jitted calls), or None to fit it."""
 
-    prompt_len: int
     output_len: int
-    tpot_s: float
+    tpot_s: dict[int, float]
     ttft_s: dict[int, float]
+    host_s_per_step: float | None = None
 
 
 def fit_host(
@@ -153,8 +156,8 @@ def fit_host(
     quantization: str | None = None,
     dtype: str = "float32",
 ) -> HostCostModel:
-    """Fit bandwidth, FLOP/s and the per-call overhead on ``measured`` (three numbers: TPOT and
-    two TTFTs) by least squares on their logs; returns the fitted model."""
+    """Fit read bandwidth, matmul FLOP/s and attention efficiency (and the per-call host time
+    when not measured) on ``measured`` by least squares on the logs of every number."""
     from scipy.optimize import least_squares
 
     if len(measured.ttft_s) < 2:
@@ -166,22 +169,30 @@ def fit_host(
         block_size=block_size,
         dtype=dtype,
     )
+    host = measured.host_s_per_step
 
     def build(x: Any) -> HostCostModel:
         hw = host_hardware(math.exp(x[0]) * 1e9, math.exp(x[1]) * 1e9)
-        params = CostParams(1.0, max(0.0, x[2]) / 1e3)
+        overhead = host if host is not None else max(0.0, x[3]) / 1e3
+        params = CostParams(1.0, overhead, attention_efficiency=min(1.0, math.exp(x[2])))
         return HostCostModel(model, quantization, hw, params=params, **sizes)
 
     def residuals(x: Any) -> list[float]:
         cm = build(x)
-        mean = measured.prompt_len + (measured.output_len - 2) // 2
-        res = [math.log(cm.step_time(StepShape.decode(1, mean)) / measured.tpot_s)]
+        res = []
+        for n, t in sorted(measured.tpot_s.items()):
+            mean = n + (measured.output_len - 2) // 2
+            res.append(math.log(cm.step_time(StepShape.decode(1, mean)) / t))
         res += [math.log(cm.ttft(n) / t) for n, t in sorted(measured.ttft_s.items())]
         return res
 
-    x0 = [math.log(10.0), math.log(50.0), 1.0]
-    bounds = ([math.log(0.1), math.log(0.1), 0.0], [math.log(1e4), math.log(1e6), 1e3])
-    fit = least_squares(residuals, x0, bounds=bounds, x_scale=[0.3, 0.3, 1.0])
+    x0 = [math.log(10.0), math.log(50.0), math.log(0.5), 1.0]
+    lower = [math.log(0.1), math.log(0.1), math.log(1e-3), 0.0]
+    upper = [math.log(1e4), math.log(1e6), 0.0, 1e3]
+    n = 3 if host is not None else 4
+    fit = least_squares(
+        residuals, x0[:n], bounds=(lower[:n], upper[:n]), x_scale=[0.3, 0.3, 0.3, 1.0][:n]
+    )
     if not fit.success:
         raise ValueError(f"host fit did not converge: {fit.message}")
     return build(fit.x)

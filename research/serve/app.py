@@ -156,7 +156,8 @@ def create_app(
         return Response(status_code=400)  # nobody reads it: the client is gone
 
     async def parse(request: Request) -> dict:
-        """The checked JSON body of a generation request."""
+        """The checked JSON body of a generation request: every field but the prompt is
+        checked here, before any tokenization is paid for."""
         body = protocol.parse_json_body(await _read_body(request, max_body_bytes))
         model = body.get("model", served_model_name)
         if model != served_model_name:
@@ -166,6 +167,9 @@ def create_app(
                 f"{served_model_name!r}",
                 code="model_not_found",
             )
+        protocol.sampling_params(body, default_max_tokens=1)
+        for name, kind in (("stream", bool), ("stream_options", dict), ("return_token_ids", bool)):
+            protocol.field(body, name, kind)
         return body
 
     async def tokenize(text: str) -> list[int]:
