@@ -120,6 +120,23 @@ class GpuTarget:
     paged_attention: PagedAttentionConfig
     grouped_experts: GroupedExpertsConfig
 
+    @property
+    def supports_fp8(self) -> bool:
+        """Whether Triton lowers float8_e4m3fn here: sm_89 or newer (its fp8e4nv type; on sm_80
+        the conversion to LLVM fails). The interpreter runs everything."""
+        return self.compute_capability == 0 or self.compute_capability >= FP8_MIN_CAPABILITY
+
+    def require_fp8(self, what: str) -> None:
+        """Refuse an fp8 operand where Triton cannot compile one, saying what to use instead."""
+        if not self.supports_fp8:
+            raise ValueError(
+                f"{what} is fp8, which the Pallas Triton kernels compile only for sm_"
+                f"{FP8_MIN_CAPABILITY} or newer; this GPU is sm_{self.compute_capability}: use "
+                'another KV cache dtype or weight format, or attention_backend="xla"'
+            )
+
+
+FP8_MIN_CAPABILITY = 89
 
 TARGETS: dict[str, GpuTarget] = {
     "h200": GpuTarget(
@@ -189,4 +206,10 @@ def target_for_backend(backend: str) -> GpuTarget:
             'attention_backend="pallas" needs a GPU; use "pallas_interpret" to run the kernels '
             'on CPU or "xla" for the reference path'
         )
-    return target_for_kind(gpus[0].device_kind)
+    target = target_for_kind(gpus[0].device_kind)
+    if target is FALLBACK:  # an unlisted GPU: its own compute capability decides fp8
+        cc = getattr(gpus[0], "compute_capability", None)
+        if isinstance(cc, str) and "." in cc:
+            major, minor = cc.split(".")[:2]
+            target = dataclasses.replace(target, compute_capability=int(major) * 10 + int(minor))
+    return target

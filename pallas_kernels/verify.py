@@ -35,7 +35,7 @@ from pallas_kernels.triton_ir import (
     lower_triton_modules,
     triton_compiler_available,
 )
-from pallas_kernels.tuning import FALLBACK, TARGETS, GpuTarget
+from pallas_kernels.tuning import FALLBACK, FP8_MIN_CAPABILITY, TARGETS, GpuTarget
 from research.quant import FORMATS, quantize
 from research.quant.kv import kv_code_dtype, kv_code_shape
 from research.quant.layout import awq_group_size
@@ -169,8 +169,17 @@ def kernel_cases(target: GpuTarget, quick: bool = False) -> list[KernelCase]:
     two attention shapes (the tests' lowering set)."""
     if quick:
         shapes = {m: ATTENTION_SHAPES[m] for m in ("smollm2-135m", "qwen3-30b-a3b")}
-        return paged_attention_cases(target, shapes, (8, 16, 128)) + grouped_experts_cases(target)
-    return paged_attention_cases(target) + grouped_experts_cases(target)
+        cases = paged_attention_cases(target, shapes, (8, 16, 128)) + grouped_experts_cases(target)
+    else:
+        cases = paged_attention_cases(target) + grouped_experts_cases(target)
+    return [c for c in cases if target.supports_fp8 or not uses_fp8(c)]
+
+
+def uses_fp8(case: KernelCase) -> bool:
+    """Whether an operand is float8_e4m3fn (fp8 KV pages, fp8 weights, NVFP4's scales): the
+    engine refuses those below sm_89 (``GpuTarget.require_fp8``), so they are not configurations
+    there."""
+    return any(a.dtype == jnp.float8_e4m3fn for a in jax.tree_util.tree_leaves(case.args))
 
 
 def lower_case(case: KernelCase) -> TritonModule:
@@ -204,9 +213,15 @@ def check_case(case: KernelCase, target: GpuTarget, compile: bool) -> CaseResult
     problems += dot_problems(module)
     compiled = None
     if compile and module.verified:
-        compiled = compile_offline(
-            module, target.compute_capability, num_warps=case.num_warps, num_stages=case.num_stages
-        )
+        try:
+            compiled = compile_offline(
+                module,
+                target.compute_capability,
+                num_warps=case.num_warps,
+                num_stages=case.num_stages,
+            )
+        except Exception as e:  # Triton's own pipeline refused the module: report, go on
+            return CaseResult(case, module, None, (*problems, f"offline compile failed: {e}"))
         if compiled.shared_bytes > target.max_shared_bytes:
             problems.append(
                 f"{compiled.shared_bytes} B shared memory > {target.max_shared_bytes} B on "
@@ -233,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             f"\n== {target.name}: sm_{target.compute_capability}, shared memory limit "
             f"{target.max_shared_bytes // 1024} KiB per block =="
         )
+        if not target.supports_fp8:
+            print(f"(no fp8 operands: sm_{target.compute_capability} < sm_{FP8_MIN_CAPABILITY})")
         print(f"{'configuration':<78} {'IR':>3} {'regs':>4} {'smem KiB':>8} {'spill':>5}  notes")
         start = time.perf_counter()
         for case in kernel_cases(target, quick=args.quick):

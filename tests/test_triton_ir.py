@@ -134,6 +134,23 @@ def test_offline_compile_to_cubin_within_shared_memory(target: str):
 
 
 @needs_triton
+@needs_triton
+def test_fp8_compiles_from_sm_89_and_is_refused_below():
+    """Triton lowers float8_e4m3fn (fp8 KV pages, fp8 weights, NVFP4 scales) for sm_89+ only:
+    on sm_80 its own pipeline fails. The verifier reports that, the fallback target lists no
+    fp8 configuration, and the engine refuses fp8 there with a ValueError that says why."""
+    fp8 = [c for c in verify.kernel_cases(TARGETS["h200"], quick=True) if verify.uses_fp8(c)]
+    assert {c.fn.__name__ for c in fp8} == {"paged_attention", "grouped_experts"}
+    assert not [c for c in verify.kernel_cases(FALLBACK, quick=True) if verify.uses_fp8(c)]
+    assert not verify.check_case(fp8[0], TARGETS["h200"], compile=True).problems
+    failed = verify.check_case(fp8[0], FALLBACK, compile=True)
+    assert any("offline compile failed" in p for p in failed.problems), failed.problems
+    with pytest.raises(ValueError, match="sm_89 or newer; this GPU is sm_80"):
+        FALLBACK.require_fp8("the KV cache")
+    TARGETS["gb10"].require_fp8("the KV cache")
+    INTERPRET.require_fp8("the KV cache")
+
+
 def test_compile_refuses_an_unverified_module():
     args = (jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((16,), jnp.float32))
     (bad,) = lower_triton_modules(_loop_call, *args, typed=False)

@@ -243,6 +243,9 @@ def _kernel_attention(
     from pallas_kernels.paged_attention import paged_attention
     from pallas_kernels.tuning import target_for_backend
 
+    target = target_for_backend(backend)
+    if pool.k[layer].dtype == jnp.float8_e4m3fn:
+        target.require_fp8("the KV cache")
     r, t, h, e = q.shape
     start = jnp.maximum(positions[:, 0], 0)  # cached tokens per row (0 for padding rows)
     ctx_out, ctx_lse = paged_attention(
@@ -255,7 +258,7 @@ def _kernel_attention(
         k_scales=pool.k_scales[layer] if pool.quantized else None,
         v_scales=pool.v_scales[layer] if pool.quantized else None,
         return_lse=True,
-        **target_for_backend(backend).paged_attention.kwargs(
+        **target.paged_attention.kwargs(
             page_size=pool.k[layer].shape[2],
             head_dim=e,
             code_dim=pool.k[layer].shape[3],

@@ -80,7 +80,10 @@ def linear(x: jax.Array, w: jax.Array | QTensor, backend: str = "xla") -> jax.Ar
     from pallas_kernels.grouped_experts import quantized_matmul
     from pallas_kernels.tuning import target_for_backend
 
-    blocks = target_for_backend(backend).grouped_experts.kwargs(w.shape[-2], x.dtype)
+    target = target_for_backend(backend)
+    if any(a.dtype == jnp.float8_e4m3fn for a in jax.tree_util.tree_leaves(w)):
+        target.require_fp8(f"a {getattr(w, 'fmt', 'float')} weight")
+    blocks = target.grouped_experts.kwargs(w.shape[-2], x.dtype)
     return quantized_matmul(x, w, **blocks, interpret=backend == "pallas_interpret")
 
 

@@ -42,7 +42,10 @@ def grouped_matmul(
     from pallas_kernels.grouped_experts import grouped_experts
     from pallas_kernels.tuning import target_for_backend
 
-    blocks = target_for_backend(backend).grouped_experts.kwargs(rhs.shape[-2], lhs.dtype)
+    target = target_for_backend(backend)
+    if any(a.dtype == jnp.float8_e4m3fn for a in jax.tree_util.tree_leaves(rhs)):
+        target.require_fp8(f"a {getattr(rhs, 'fmt', 'float')} weight")
+    blocks = target.grouped_experts.kwargs(rhs.shape[-2], lhs.dtype)
     interpret = backend == "pallas_interpret"
     return grouped_experts(lhs, rhs, group_sizes, **blocks, interpret=interpret)
 
