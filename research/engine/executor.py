@@ -202,6 +202,52 @@ class ModelExecutor:
                 device_time += self._run(group, is_decode, tokens, gaps)
         return StepResult(tokens, gaps, time.perf_counter() - t0, device_time)
 
+    def call_shape(self, group: list[ScheduledSeq], is_decode: bool) -> tuple[int, int, int, int]:
+        """(N packed tokens, R rows, T tokens per row, M blocks per row) of the call that runs
+        ``group``: each a bucket, so a run compiles a bounded number of shapes."""
+        r = bucket(len(group), 1, self.max_num_seqs)
+        n_tokens = sum(item.num_new_tokens for item in group)
+        n = r if is_decode else bucket(n_tokens, 16, max(16, self.max_num_batched_tokens))
+        longest = max(item.num_new_tokens for item in group)
+        t = 1 if is_decode else bucket(longest, 16, n)
+        # At least 128 tokens of context per row: fewer shapes to compile for short sequences.
+        m_min = -(-128 // self.block_size)
+        longest_table = max(len(item.seq.block_ids) for item in group)
+        return n, r, t, context_bucket(longest_table, m_min, self.max_blocks_per_seq)
+
+    def precompile(self, shapes: Any, progress: bool = False) -> int:
+        """Compile every (N, R, T, M) of ``shapes`` not run yet, by running a batch that is all
+        padding (nothing is written to the pool, nothing is sampled for anyone); returns how many
+        were compiled. ``research.engine.shapes.predict_shapes`` says which shapes a workload
+        will use."""
+        todo = sorted(set(shapes) - self.step_shapes)
+        pad_slot = self.num_blocks * self.block_size
+        for i, (n, r, t, m) in enumerate(todo):
+            t0 = time.perf_counter()
+            batch = StepBatch(
+                np.zeros(n, np.int32),
+                np.full(n, -1, np.int32),
+                np.full(n, r, np.int32),
+                np.zeros(n, np.int32),
+                np.full((r, t), -1, np.int32),
+                np.zeros((r, m), np.int32),
+                np.zeros(r, np.int32),
+                SamplingTensors.from_params([_PAD_PARAMS] * r, [0] * r, [0] * r),
+            )
+            new_k, new_v, sampled, _ = model_step(
+                self.params, self.pool, batch, cfg=self.cfg, backend=self.backend
+            )
+            self.pool = _write_kv(self.pool, new_k, new_v, np.full(n, pad_slot, np.int32))
+            np.asarray(sampled)
+            self.step_shapes.add((n, r, t, m))
+            if progress:
+                print(
+                    f"  compiled {i + 1}/{len(todo)}: N={n} R={r} T={t} M={m} "
+                    f"({time.perf_counter() - t0:.1f} s)",
+                    flush=True,
+                )
+        return len(todo)
+
     def _run(
         self,
         group: list[ScheduledSeq],
@@ -211,15 +257,7 @@ class ModelExecutor:
     ) -> float:
         """Pack, run and unpack one call; returns the seconds spent in the jitted calls."""
         n_rows = len(group)
-        n_tokens = sum(item.num_new_tokens for item in group)
-        r = bucket(n_rows, 1, self.max_num_seqs)
-        n = r if is_decode else bucket(n_tokens, 16, max(16, self.max_num_batched_tokens))
-        longest = max(item.num_new_tokens for item in group)
-        t = 1 if is_decode else bucket(longest, 16, n)
-        # At least 128 tokens of context per row: fewer shapes to compile for short sequences.
-        m_min = -(-128 // self.block_size)
-        longest_table = max(len(item.seq.block_ids) for item in group)
-        m = context_bucket(longest_table, m_min, self.max_blocks_per_seq)
+        n, r, t, m = self.call_shape(group, is_decode)
         pad_slot = self.num_blocks * self.block_size  # out of range: the scatter drops it
 
         tokens = np.zeros(n, np.int32)

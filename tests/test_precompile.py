@@ -1,0 +1,68 @@
+"""Every step shape compiled before the clock starts: a shadow run of the scheduler predicts the
+calls a workload makes, ``precompile`` compiles them, and the real run then traces nothing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from research import LLM
+from research.bench import BenchRequest, run_benchmark
+from research.engine import executor as executor_module
+from research.engine.shapes import predict_step_shapes
+
+
+def _requests(n: int, vocab: int, seed: int) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    return [
+        BenchRequest(
+            [rng.randrange(3, vocab) for _ in range(rng.randint(4, 90))], rng.randint(1, 24)
+        )
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize(
+    "num_kv_blocks", [None, 14], ids=["roomy pool", "pool that forces preemption"]
+)
+def test_predicted_shapes_are_the_runs_and_nothing_compiles_inside_it(num_kv_blocks):
+    llm = LLM(
+        "tiny-llama",
+        max_model_len=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        num_kv_blocks=num_kv_blocks,
+    )
+    engine = llm.engine
+    requests = _requests(20, llm.model_config.vocab_size, seed=1)
+    shapes = predict_step_shapes(engine, requests, max_concurrency=6)
+    assert any(t == 1 for _, _, t, _ in shapes) and any(t > 1 for _, _, t, _ in shapes)
+    assert engine.executor.precompile(shapes) == len(shapes)
+    assert engine.executor.precompile(shapes) == 0  # already compiled
+
+    traces, steps = executor_module.STEP_TRACES[0], engine.num_steps
+    result = run_benchmark(engine, requests, max_concurrency=6)
+    assert all(r.success for r in result.records)
+    assert [len(r.token_times) for r in result.records] == [r.output_len for r in requests]
+    assert executor_module.STEP_TRACES[0] == traces  # not one trace (so no compile) in the run
+    assert engine.executor.step_shapes == shapes  # and every predicted shape was used
+    if num_kv_blocks is not None:
+        assert engine.stats()["num_preemptions"] > 0
+    assert engine.num_steps > steps
+
+
+def test_precompiled_padding_leaves_the_outputs_unchanged():
+    """All-padding batches write nothing: greedy tokens are the same with and without them."""
+    prompts = [[5 + i, 9, 11, 13 + i] for i in range(3)]
+
+    def generate(precompile: bool) -> list[list[int]]:
+        from research import SamplingParams
+
+        llm = LLM("tiny-llama", max_model_len=128, num_kv_blocks=32)
+        if precompile:
+            llm.engine.executor.precompile([(16, 4, 16, 8), (4, 4, 1, 8), (1, 1, 1, 8)])
+        outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+        return [o.token_ids for o in outs]
+
+    assert generate(True) == generate(False)
