@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import jax
 import pytest
 
 from research import LLM
@@ -66,3 +67,33 @@ def test_precompiled_padding_leaves_the_outputs_unchanged():
         return [o.token_ids for o in outs]
 
     assert generate(True) == generate(False)
+
+
+def test_serving_on_covers_never_compiles_in_a_step_and_keeps_the_tokens():
+    """After ``precompile_covers`` a call of a new shape runs padded to a compiled cover while its
+    own shape compiles in the background: no step traces (compiles) the model, and the greedy
+    tokens equal those of an engine that compiled every shape in the step."""
+    from research import SamplingParams
+
+    def make() -> LLM:
+        return LLM("tiny-llama", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128)
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randint(3, 100))] for _ in range(12)]
+    sp = SamplingParams(max_tokens=12, temperature=0.0)
+    jax.clear_caches()  # shapes traced by earlier tests would not be traced again
+
+    llm = make()
+    executor = llm.engine.executor
+    covers = executor.cover_shapes()
+    assert executor.precompile_covers() == len(covers)
+    traces = executor_module.STEP_TRACES[0]
+    got = [o.token_ids for o in llm.generate(prompts, sp)]
+    executor._compiler.shutdown(wait=True)  # let the background compiles finish
+    expected = [o.token_ids for o in make().generate(prompts, sp)]
+    assert got == expected
+    assert executor.covered_calls > 0
+    # every trace since the covers came from a background compile, none from a step
+    assert executor_module.STEP_TRACES[0] - traces == len(executor._background) > 0
+    # Again, now with prefix-cache hits (new shapes) and the background shapes compiled.
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == expected

@@ -17,7 +17,10 @@ shapes it ran, which is what its compile count is bounded by.
 from __future__ import annotations
 
 import functools
+import logging
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +43,8 @@ from research.engine.request import SamplingParams
 from research.engine.sampler import SamplingTensors, sample
 from research.engine.scheduler import ScheduledSeq, StepPlan
 from research.models.transformer import Params, compute_logits, forward
+
+logger = logging.getLogger(__name__)
 
 _PAD_PARAMS = SamplingParams(temperature=0.0)
 
@@ -115,6 +120,10 @@ def context_bucket(n: int, minimum: int, maximum: int) -> int:
         p *= 2
 
 
+def _spec(a: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(a.shape, a.dtype)
+
+
 def bucket(n: int, minimum: int, maximum: int) -> int:
     """Smallest power of two >= n and >= minimum, capped at maximum (which may be any n)."""
     return min(max(minimum, 1 << max(0, n - 1).bit_length()), maximum)
@@ -179,6 +188,15 @@ class ModelExecutor:
             cfg, num_blocks, cache.block_size, dtype, kv_fill_value, kv_cache_dtype
         )
         self.step_shapes: set[tuple[int, ...]] = set()  # (N, R, T, M) of every call run
+        # Serving: a call whose shape is not compiled runs padded to the cheapest compiled shape
+        # that holds it (a "cover") while its own shape compiles on a background thread; the
+        # step never waits for a compile when a cover exists (``precompile_covers``).
+        self.compile_in_background = False
+        self._background: dict[tuple[int, ...], Any] = {}  # shape -> jax Compiled
+        self._pending: set[tuple[int, ...]] = set()
+        self._lock = threading.Lock()
+        self._compiler: ThreadPoolExecutor | None = None
+        self.covered_calls = 0  # calls run padded to a cover
 
     @property
     def num_compilations(self) -> int:
@@ -215,6 +233,83 @@ class ModelExecutor:
         longest_table = max(len(item.seq.block_ids) for item in group)
         return n, r, t, context_bucket(longest_table, m_min, self.max_blocks_per_seq)
 
+    def _padding_batch(self, n: int, r: int, t: int, m: int) -> StepBatch:
+        """A batch of shape (N, R, T, M) that is all padding: it writes and samples nothing."""
+        return StepBatch(
+            np.zeros(n, np.int32),
+            np.full(n, -1, np.int32),
+            np.full(n, r, np.int32),
+            np.zeros(n, np.int32),
+            np.full((r, t), -1, np.int32),
+            np.zeros((r, m), np.int32),
+            np.zeros(r, np.int32),
+            SamplingTensors.from_params([_PAD_PARAMS] * r, [0] * r, [0] * r),
+        )
+
+    def cover_shapes(self, max_attention_bytes: int = 512 << 20) -> list[tuple[int, int, int, int]]:
+        """Shapes that hold every call the configuration can make, up to a memory bound: per
+        row bucket R, a decode (R, R, 1, M_max); per tokens-per-row bucket T, a prefill of
+        max_num_seqs rows (fewer where R x T x keys float32 scores per head would pass
+        ``max_attention_bytes``) over the longest context."""
+        m_max = self.max_blocks_per_seq
+        keys = m_max * self.block_size
+        cap = max(16, self.max_num_batched_tokens)
+        rows = [bucket(k, 1, self.max_num_seqs) for k in range(1, self.max_num_seqs + 1)]
+        shapes = {(r, r, 1, m_max) for r in rows}
+        t = 16
+        while True:
+            t_cap = min(t, cap)
+            r = bucket(self.max_num_seqs, 1, self.max_num_seqs)
+            while r > 1 and r * t_cap * keys * self.cfg.num_heads * 4 > max_attention_bytes:
+                r = bucket(r // 2, 1, self.max_num_seqs)
+            n = bucket(min(cap, r * t_cap), 16, cap)
+            shapes.add((n, r, min(t_cap, n), m_max))
+            if t_cap >= min(cap, keys):
+                break
+            t *= 2
+        return sorted(shapes)
+
+    def precompile_covers(self, progress: bool = False) -> int:
+        """Compile ``cover_shapes`` and serve from then on without compiling inside a step."""
+        n = self.precompile(self.cover_shapes(), progress=progress)
+        self.compile_in_background = True
+        return n
+
+    def _cover(self, shape: tuple[int, int, int, int]) -> tuple[int, ...] | None:
+        """The cheapest compiled shape at least as large as ``shape`` in every dimension."""
+        with self._lock:
+            ready = list(self.step_shapes)
+        fits = [s for s in ready if all(a >= b for a, b in zip(s, shape, strict=True))]
+        return min(fits, key=lambda s: (s[1] * s[2] * s[3] + s[0], s)) if fits else None
+
+    def _compile_later(self, shape: tuple[int, int, int, int]) -> None:
+        with self._lock:
+            if shape in self._pending or shape in self.step_shapes:
+                return
+            self._pending.add(shape)
+            if self._compiler is None:
+                self._compiler = ThreadPoolExecutor(1, thread_name_prefix="step-compiler")
+        self._compiler.submit(self._compile_in_background, shape)
+
+    def _compile_in_background(self, shape: tuple[int, int, int, int]) -> None:
+        try:
+            spec = functools.partial(jax.tree_util.tree_map, _spec)
+            compiled = model_step.lower(
+                spec(self.params),
+                spec(self.pool),
+                self._padding_batch(*shape),
+                cfg=self.cfg,
+                backend=self.backend,
+            ).compile()
+            with self._lock:
+                self._background[shape] = compiled
+                self.step_shapes.add(shape)
+        except Exception:  # the covering shape keeps serving; the next miss retries
+            logger.exception("background compile of step shape %s failed", shape)
+        finally:
+            with self._lock:
+                self._pending.discard(shape)
+
     def precompile(self, shapes: Any, progress: bool = False) -> int:
         """Compile every (N, R, T, M) of ``shapes`` not run yet, by running a batch that is all
         padding (nothing is written to the pool, nothing is sampled for anyone); returns how many
@@ -224,22 +319,14 @@ class ModelExecutor:
         pad_slot = self.num_blocks * self.block_size
         for i, (n, r, t, m) in enumerate(todo):
             t0 = time.perf_counter()
-            batch = StepBatch(
-                np.zeros(n, np.int32),
-                np.full(n, -1, np.int32),
-                np.full(n, r, np.int32),
-                np.zeros(n, np.int32),
-                np.full((r, t), -1, np.int32),
-                np.zeros((r, m), np.int32),
-                np.zeros(r, np.int32),
-                SamplingTensors.from_params([_PAD_PARAMS] * r, [0] * r, [0] * r),
-            )
+            batch = self._padding_batch(n, r, t, m)
             new_k, new_v, sampled, _ = model_step(
                 self.params, self.pool, batch, cfg=self.cfg, backend=self.backend
             )
             self.pool = _write_kv(self.pool, new_k, new_v, np.full(n, pad_slot, np.int32))
             np.asarray(sampled)
-            self.step_shapes.add((n, r, t, m))
+            with self._lock:
+                self.step_shapes.add((n, r, t, m))
             if progress:
                 print(
                     f"  compiled {i + 1}/{len(todo)}: N={n} R={r} T={t} M={m} "
@@ -257,7 +344,15 @@ class ModelExecutor:
     ) -> float:
         """Pack, run and unpack one call; returns the seconds spent in the jitted calls."""
         n_rows = len(group)
-        n, r, t, m = self.call_shape(group, is_decode)
+        shape = self.call_shape(group, is_decode)
+        cover = None
+        if self.compile_in_background and shape not in self.step_shapes:
+            cover = self._cover(shape)
+        if cover is not None:
+            self._compile_later(shape)
+            self.covered_calls += 1
+            shape = cover
+        n, r, t, m = shape
         pad_slot = self.num_blocks * self.block_size  # out of range: the scatter drops it
 
         tokens = np.zeros(n, np.int32)
@@ -300,11 +395,16 @@ class ModelExecutor:
                 params + [_PAD_PARAMS] * pad, seeds + [0] * pad, steps + [0] * pad
             ),
         )
-        self.step_shapes.add((n, r, t, m))
+        with self._lock:
+            self.step_shapes.add(shape)
+            compiled = self._background.get(shape)
         t0 = time.perf_counter()
-        new_k, new_v, sampled, gaps = model_step(
-            self.params, self.pool, batch, cfg=self.cfg, backend=self.backend
-        )
+        if compiled is not None:
+            new_k, new_v, sampled, gaps = compiled(self.params, self.pool, batch)
+        else:
+            new_k, new_v, sampled, gaps = model_step(
+                self.params, self.pool, batch, cfg=self.cfg, backend=self.backend
+            )
         self.pool = _write_kv(self.pool, new_k, new_v, slots)
         sampled, gaps = np.asarray(sampled), np.asarray(gaps)
         device_time = time.perf_counter() - t0

@@ -36,6 +36,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="do not compile the covering step shapes at start: the first request of each new "
+        "shape then waits for its compile, and so does everyone in that step",
+    )
     args = parser.parse_args(argv)
 
     import uvicorn
@@ -56,6 +62,11 @@ def main(argv: list[str] | None = None) -> None:
         kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend,
     )
+    if not args.enforce_eager:
+        # As vLLM captures its CUDA graphs: every later call runs on a compiled shape at once
+        # (padded to a covering one until its own shape has compiled in the background).
+        print("compiling the covering step shapes (--enforce-eager skips this)", flush=True)
+        llm.engine.executor.precompile_covers(progress=True)
     app = create_app(
         llm,
         served_model_name=args.served_model_name or args.model,
