@@ -73,6 +73,10 @@ class EngineBackend:
             )
         elif run.hardware.tensor_parallel_size > 1 or run.hardware.num_replicas > 1:
             raise ValueError("several boxes (TP or replicas) are modelled by executor=simulated")
+        else:
+            from research.engine.compile_cache import enable_compilation_cache
+
+            enable_compilation_cache(run.executor.compilation_cache_dir)
 
         def make_llm() -> LLM:
             return LLM(
@@ -122,19 +126,21 @@ class EngineBackend:
     def run(
         self, requests: list[BenchRequest], max_concurrency: int | None, progress: bool
     ) -> BenchmarkResult:
-        w = self.run_config.workload
         return run_benchmark(
             self.engine,
             requests,
             max_concurrency=max_concurrency,
-            request_rate=w.request_rate,
-            burstiness=w.burstiness,
-            seed=w.seed,
+            **self._load(),
             progress=progress,
             # A simulated executor's virtual clock stamps the engine; waiting advances it.
             clock=self.engine.clock,
             sleep=self._sleep,
         )
+
+    def _load(self) -> dict[str, Any]:
+        """The workload's arrival process, as ``run_benchmark`` takes it."""
+        w = self.run_config.workload
+        return dict(request_rate=w.request_rate, burstiness=w.burstiness, seed=w.seed)
 
     def precompile(self, requests: list[BenchRequest], concurrency: int) -> int:
         """Compile the step shapes serving ``requests`` will use (predicted by a shadow run of
@@ -144,15 +150,9 @@ class EngineBackend:
             return 0
         from research.engine.shapes import predict_step_shapes
 
-        w = self.run_config.workload
         t0 = time.perf_counter()
         shapes = predict_step_shapes(
-            self.engine,
-            requests,
-            max_concurrency=concurrency,
-            request_rate=w.request_rate,
-            burstiness=w.burstiness,
-            seed=w.seed,
+            self.engine, requests, max_concurrency=concurrency, **self._load()
         )
         n = self.engine.executor.precompile(shapes)
         if n:

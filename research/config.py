@@ -201,6 +201,8 @@ class ExecutorConfig:
     # real: compile every step shape a point will use before timing it (vLLM's graph capture);
     # true runs each point's shapes eagerly (compiled inside the point, as they come).
     enforce_eager: bool = False
+    # real: JAX's persistent compilation cache (null: off), so a second run skips XLA compiles
+    compilation_cache_dir: str | None = "~/.cache/research/jax"
 
     def __post_init__(self) -> None:
         if self.kind not in EXECUTORS:

@@ -97,3 +97,36 @@ def test_serving_on_covers_never_compiles_in_a_step_and_keeps_the_tokens():
     assert executor_module.STEP_TRACES[0] - traces == len(executor._background) > 0
     # Again, now with prefix-cache hits (new shapes) and the background shapes compiled.
     assert [o.token_ids for o in llm.generate(prompts, sp)] == expected
+
+
+def test_a_second_start_reads_compiled_steps_from_the_persistent_cache(tmp_path):
+    """Two processes with one cache directory: the first writes the step executables, the
+    second finds every one of them there (JAX counts persistent-cache misses)."""
+    import json
+    import subprocess
+    import sys
+
+    script = f"""
+import json
+from jax._src import monitoring
+from research.engine.compile_cache import enable_compilation_cache
+misses = []
+monitoring.register_event_listener(
+    lambda name, **kw: misses.append(name) if name.endswith("cache_misses") else None)
+enable_compilation_cache({str(tmp_path)!r})
+from research import LLM, SamplingParams
+llm = LLM("tiny-llama", max_model_len=128, num_kv_blocks=16)
+llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))
+print(json.dumps(len(misses)))
+"""
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+
+    def run() -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
+        )
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    assert run() > 0  # cold: every executable compiled and written
+    assert any(tmp_path.iterdir())
+    assert run() == 0  # warm: none missed

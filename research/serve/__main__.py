@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from research.engine.compile_cache import DEFAULT_CACHE_DIR
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m research.serve", description=__doc__)
@@ -42,12 +44,20 @@ def main(argv: list[str] | None = None) -> None:
         help="do not compile the covering step shapes at start: the first request of each new "
         "shape then waits for its compile, and so does everyone in that step",
     )
+    parser.add_argument(
+        "--compilation-cache-dir",
+        default=DEFAULT_CACHE_DIR,
+        help="JAX's persistent compilation cache ('' turns it off): a restart skips XLA compiles",
+    )
     args = parser.parse_args(argv)
 
     import uvicorn
 
+    from research.engine.compile_cache import enable_compilation_cache
     from research.llm import LLM
     from research.serve.app import create_app
+
+    enable_compilation_cache(args.compilation_cache_dir or None)
 
     llm = LLM(
         args.model,
