@@ -14,10 +14,13 @@ server, ours or vLLM, over the network).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import time
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -162,6 +165,65 @@ class EngineBackend:
             )
         return n
 
+    @contextlib.contextmanager
+    def recording_steps(self) -> Iterator[list[Any]]:
+        """Yields a list that collects the ``StepShape`` of every step run inside the block."""
+        log: list[Any] = []
+        if self.simulated:
+            yield log
+            return
+        from research.perf.cost_model import step_shape_from_plan
+
+        executor = self.engine.executor
+        execute = executor.execute
+
+        def recorded(plan: Any) -> Any:
+            log.append(step_shape_from_plan(plan))
+            return execute(plan)
+
+        executor.execute = recorded
+        try:
+            yield log
+        finally:
+            del executor.execute
+
+    def roofline(self, shapes: list[Any], seconds: float) -> dict[str, float]:
+        """The point's achieved FLOP/s and bytes/s against this machine's measured peaks
+        (``research.perf.host_peaks``): the work of the padded calls the executor ran, counted
+        by ``research.perf.host_model``, over the steps' wall time. Empty for a model the cost
+        model cannot size (a checkpoint path)."""
+        from research.perf.host_model import HostCostModel, host_hardware
+
+        run = self.run_config
+        if (peaks := _device_peaks(run.model.dtype)) is None:
+            return {}
+        try:
+            model = HostCostModel(
+                run.model.model,
+                run.quantization.quantization,
+                host_hardware(peaks["bandwidth"], peaks["flops"]),
+                max_num_seqs=run.scheduler.max_num_seqs,
+                max_num_batched_tokens=run.scheduler.max_num_batched_tokens,
+                max_model_len=self.engine.max_model_len,
+                block_size=run.cache.block_size,
+                dtype=run.model.dtype,
+            )
+        except ValueError:
+            return {}
+        flops = nbytes = 0.0
+        for shape, count in Counter(shapes).items():
+            b = model.breakdown(shape)
+            flops += count * b["flops_total"]
+            nbytes += count * b["bytes_total"]
+        return {
+            "achieved_gflops": flops / seconds / 1e9,
+            "achieved_gbps": nbytes / seconds / 1e9,
+            "flops_fraction": flops / seconds / peaks["flops"],
+            "bandwidth_fraction": nbytes / seconds / peaks["bandwidth"],
+            "peak_gflops": peaks["flops"] / 1e9,
+            "peak_gbps": peaks["bandwidth"] / 1e9,
+        }
+
     def _sleep(self, seconds: float) -> None:
         if not self.simulated:
             time.sleep(seconds)
@@ -283,6 +345,27 @@ def _requests(run: RunConfig, backend: Backend, n: int, seed: int) -> list[Bench
     )
 
 
+def _device_peaks(dtype: str) -> dict[str, float] | None:
+    """Peak FLOP/s and bytes/s of the device the engine runs on: measured on a CPU
+    (``research.perf.host_peaks``), the published figures of a named GPU
+    (``research.perf.hardware``) for the run's dtype; None where no figure exists."""
+    import jax
+
+    if jax.default_backend() == "cpu":
+        from research.perf.host_peaks import host_peaks
+
+        return host_peaks()
+    from pallas_kernels.tuning import TARGETS, target_for_kind
+    from research.perf.hardware import get_hardware
+
+    target = target_for_kind(jax.devices()[0].device_kind)
+    if target.name not in TARGETS:
+        return None
+    hw = get_hardware(target.name)
+    flops = hw.tensor_flops.get("bf16" if dtype == "bfloat16" else "fp32")
+    return None if flops is None else {"flops": flops, "bandwidth": hw.peak_bandwidth}
+
+
 def _delta(after: dict[str, Any], before: dict[str, Any], key: str) -> float:
     return float(after.get(key, 0.0)) - float(before.get(key, 0.0))
 
@@ -306,8 +389,10 @@ def run_point(
         executor.step_log = []
     from research.engine.executor import STEP_TRACES
 
+    recording = getattr(backend, "recording_steps", None)
     before, traces = backend.stats(), STEP_TRACES[0]
-    result = backend.run(requests, concurrency, progress)
+    with recording() if recording is not None else contextlib.nullcontext([]) as step_log:
+        result = backend.run(requests, concurrency, progress)
     after, traces = backend.stats(), STEP_TRACES[0] - traces
     steps = _delta(after, before, "num_steps")
     step_time = _delta(after, before, "step_time_s")
@@ -338,6 +423,8 @@ def run_point(
             "precompiled_shapes": precompiled,
             "step_traces": traces,  # jax traces of the step inside the point: 0 = no compile
         }
+        if (roofline := getattr(backend, "roofline", None)) is not None:
+            extra |= roofline(step_log, step_time)
     point = result_point(result, model_id=backend.model_id, extra=extra, goodput_slos=_slos(run))
     if executor is not None:
         from research.perf.bands import band_keys, band_variants, retime

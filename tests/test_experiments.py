@@ -92,6 +92,12 @@ def test_sweep_writes_results_plots_and_offline_wandb(tmp_path):
         assert p["output_throughput"] > 0 and p["per_user_tok_s"] > 0
         assert p["executor"] == "real" and p["model"] == "tiny-llama"
         assert 0.0 <= p["host_overhead_fraction"] < 1.0
+        # every step shape compiled before the clock, even with mixed lengths
+        assert p["step_traces"] == 0 and p["new_compilations"] == 0
+        # roofline columns: the padded calls' work over the steps' time, against measured peaks
+        assert p["peak_gflops"] > 0 and p["peak_gbps"] > 0
+        assert p["achieved_gflops"] == pytest.approx(p["flops_fraction"] * p["peak_gflops"])
+        assert 0 < p["flops_fraction"] < 1.0
     for name in ("concurrency_curves.png", "ttft.png"):
         assert (out / name).stat().st_size > 10_000
     runs = list((out / "wandb").glob("offline-run-*"))

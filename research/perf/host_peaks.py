@@ -1,0 +1,86 @@
+"""Peaks of the machine at hand, measured once and cached, for the roofline columns of results.
+
+Microbenchmarks with JAX on this machine's CPU: a large float32 GEMM (FLOP/s), and over a
+256 MiB array a stream copy (bytes read plus written per second) and a read-only sum; the
+bandwidth peak is the larger of the two. They are the ceilings our engine's steps are
+measured against; no vendor figure exists for an arbitrary host. Results are cached in
+``~/.cache/research/host_peaks.json`` per machine (CPU model and core count), so a sweep pays
+for them once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+CACHE_PATH = "~/.cache/research/host_peaks.json"
+
+
+def _machine_key() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu} x{os.cpu_count()}"
+
+
+def _median_seconds(fn: Any, repeats: int) -> float:
+    fn()  # compile and warm
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_host_peaks(gemm_size: int = 2048, copy_mib: int = 256, repeats: int = 5) -> dict:
+    """``{"flops": float32 GEMM FLOP/s, "bandwidth": max(copy, read) bytes/s, ...}`` now."""
+    import jax
+    import jax.numpy as jnp
+
+    n = gemm_size
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    matmul = jax.jit(lambda x, y: x @ y)
+    gemm_s = _median_seconds(lambda: matmul(a, b).block_until_ready(), repeats)
+    x = jnp.ones((copy_mib << 20) // 4, jnp.float32)
+    scale = jax.jit(lambda v: v * 1.0001)  # one read and one write of every element
+    copy_s = _median_seconds(lambda: scale(x).block_until_ready(), repeats)
+    total = jax.jit(jnp.sum)  # reads only, as a step reads its weights
+    read_s = _median_seconds(lambda: total(x).block_until_ready(), repeats)
+    copy, read = 2.0 * x.nbytes / copy_s, x.nbytes / read_s
+    return {
+        "flops": 2.0 * n**3 / gemm_s,
+        "bandwidth": max(copy, read),
+        "copy_bandwidth": copy,
+        "read_bandwidth": read,
+        "gemm_size": n,
+        "stream_bytes": int(x.nbytes),
+    }
+
+
+def host_peaks(cache_path: str | os.PathLike | None = CACHE_PATH, refresh: bool = False) -> dict:
+    """This machine's peaks from the cache, measured (and cached) when absent or ``refresh``."""
+    path = Path(os.path.expanduser(os.fspath(cache_path))) if cache_path else None
+    key = _machine_key()
+    cached: dict[str, Any] = {}
+    if path is not None and path.exists():
+        try:
+            cached = json.loads(path.read_text())
+        except (OSError, ValueError):
+            cached = {}
+    if key in cached and not refresh:
+        return cached[key]
+    peaks = measure_host_peaks() | {"machine": key}
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cached | {key: peaks}, indent=1))
+    return peaks
