@@ -133,3 +133,43 @@ def test_compare_plots_several_result_files(tmp_path, capsys):
     assert paths[0].stat().st_size > 5_000
     out = capsys.readouterr().out
     assert "| block32 | 4 | 8.00 |" in out.replace("8.0 |", "8.00 |")
+
+
+def test_compare_reads_a_multirun_folder_in_job_order_with_labels_that_say_what_varied(
+    tmp_path, capsys
+):
+    """A Hydra multirun folder as one argument: jobs in natural order (2 before 10), each line
+    labelled by its points' label plus the factors that differ; a misspelt metric is an error
+    that lists the known ones."""
+    from experiments.compare import main as compare
+
+    for job, policy, block in ((10, "static", 16), (2, "continuous", 16), (3, "continuous", 8)):
+        run = tmp_path / "multirun" / str(job) / "run"
+        run.mkdir(parents=True)
+        points = [
+            {
+                "label": "ours tiny-llama",
+                "max_concurrency": c,
+                "output_throughput": float(job * c),
+                "scheduling_policy": policy,
+                "block_size": block,
+                "model": "tiny-llama",
+            }
+            for c in (1, 4)
+        ]
+        (run / "results.jsonl").write_text("".join(json.dumps(p) + "\n" for p in points))
+    out_dir = tmp_path / "cmp"
+    argv = [str(tmp_path / "multirun"), "--metrics", "output_throughput", "--out", str(out_dir)]
+    compare(argv)
+    table = capsys.readouterr().out
+    labels = [
+        "ours tiny-llama scheduling_policy=continuous block_size=16",
+        "ours tiny-llama scheduling_policy=continuous block_size=8",
+        "ours tiny-llama scheduling_policy=static block_size=16",
+    ]
+    rows = [line for line in table.splitlines() if line.startswith("| ours")]
+    assert [r.split(" | ")[0][2:] for r in rows[::2]] == labels  # jobs 2, 3, 10
+    assert "| 4 | 40.00 |" in rows[-1]
+    with pytest.raises(SystemExit):
+        compare([*argv[:2], "output_througput", "--out", str(out_dir)])
+    assert "no point has the metric(s) ['output_througput']" in capsys.readouterr().err
