@@ -19,7 +19,6 @@ import dataclasses
 import json
 import math
 import time
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -192,10 +191,11 @@ class EngineBackend:
         (``research.perf.host_peaks``): the work of the padded calls the executor ran, counted
         by ``research.perf.host_model``, over the steps' wall time. Empty for a model the cost
         model cannot size (a checkpoint path)."""
-        from research.perf.host_model import HostCostModel, host_hardware
+        from research.perf.host_model import HostCostModel, host_hardware, roofline
+        from research.perf.host_peaks import device_peaks
 
         run = self.run_config
-        if (peaks := _device_peaks(run.model.dtype)) is None:
+        if (peaks := device_peaks(run.model.dtype)) is None:
             return {}
         try:
             model = HostCostModel(
@@ -210,19 +210,7 @@ class EngineBackend:
             )
         except ValueError:
             return {}
-        flops = nbytes = 0.0
-        for shape, count in Counter(shapes).items():
-            b = model.breakdown(shape)
-            flops += count * b["flops_total"]
-            nbytes += count * b["bytes_total"]
-        return {
-            "achieved_gflops": flops / seconds / 1e9,
-            "achieved_gbps": nbytes / seconds / 1e9,
-            "flops_fraction": flops / seconds / peaks["flops"],
-            "bandwidth_fraction": nbytes / seconds / peaks["bandwidth"],
-            "peak_gflops": peaks["flops"] / 1e9,
-            "peak_gbps": peaks["bandwidth"] / 1e9,
-        }
+        return roofline(model, shapes, seconds, peaks)
 
     def _sleep(self, seconds: float) -> None:
         if not self.simulated:
@@ -343,27 +331,6 @@ def _requests(run: RunConfig, backend: Backend, n: int, seed: int) -> list[Bench
         seed=seed,
         special_ids=backend.special_ids,
     )
-
-
-def _device_peaks(dtype: str) -> dict[str, float] | None:
-    """Peak FLOP/s and bytes/s of the device the engine runs on: measured on a CPU
-    (``research.perf.host_peaks``), the published figures of a named GPU
-    (``research.perf.hardware``) for the run's dtype; None where no figure exists."""
-    import jax
-
-    if jax.default_backend() == "cpu":
-        from research.perf.host_peaks import host_peaks
-
-        return host_peaks()
-    from pallas_kernels.tuning import TARGETS, target_for_kind
-    from research.perf.hardware import get_hardware
-
-    target = target_for_kind(jax.devices()[0].device_kind)
-    if target.name not in TARGETS:
-        return None
-    hw = get_hardware(target.name)
-    flops = hw.tensor_flops.get("bf16" if dtype == "bfloat16" else "fp32")
-    return None if flops is None else {"flops": flops, "bandwidth": hw.peak_bandwidth}
 
 
 def _delta(after: dict[str, Any], before: dict[str, Any], key: str) -> float:

@@ -254,12 +254,12 @@ class ModelExecutor:
         m_max = self.max_blocks_per_seq
         keys = m_max * self.block_size
         cap = max(16, self.max_num_batched_tokens)
-        rows = [bucket(k, 1, self.max_num_seqs) for k in range(1, self.max_num_seqs + 1)]
+        rows = {bucket(k, 1, self.max_num_seqs) for k in range(1, self.max_num_seqs + 1)}
         shapes = {(r, r, 1, m_max) for r in rows}
         t = 16
         while True:
             t_cap = min(t, cap)
-            r = bucket(self.max_num_seqs, 1, self.max_num_seqs)
+            r = self.max_num_seqs
             while r > 1 and r * t_cap * keys * self.cfg.num_heads * 4 > max_attention_bytes:
                 r = bucket(r // 2, 1, self.max_num_seqs)
             n = bucket(min(cap, r * t_cap), 16, cap)
@@ -313,7 +313,7 @@ class ModelExecutor:
     def precompile(self, shapes: Any, progress: bool = False) -> int:
         """Compile every (N, R, T, M) of ``shapes`` not run yet, by running a batch that is all
         padding (nothing is written to the pool, nothing is sampled for anyone); returns how many
-        were compiled. ``research.engine.shapes.predict_shapes`` says which shapes a workload
+        were compiled. ``research.engine.shapes.predict_step_shapes`` says which shapes a workload
         will use."""
         todo = sorted(set(shapes) - self.step_shapes)
         pad_slot = self.num_blocks * self.block_size

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,3 +226,24 @@ def simulated_engine(
 
 
 __all__ = ["HostCostModel", "SingleStream", "fit_host", "host_hardware", "simulated_engine"]
+
+
+def roofline(
+    model: HostCostModel, shapes: Any, seconds: float, peaks: dict[str, float]
+) -> dict[str, float]:
+    """Achieved FLOP/s and bytes/s of the steps ``shapes`` (``StepShape`` s, repeats counted)
+    that took ``seconds``, as ``model`` counts their padded calls, and their fractions of
+    ``peaks`` (``research.perf.host_peaks.device_peaks``)."""
+    flops = nbytes = 0.0
+    for shape, count in Counter(shapes).items():
+        b = model.breakdown(shape)
+        flops += count * b["flops_total"]
+        nbytes += count * b["bytes_total"]
+    return {
+        "achieved_gflops": flops / seconds / 1e9,
+        "achieved_gbps": nbytes / seconds / 1e9,
+        "flops_fraction": flops / seconds / peaks["flops"],
+        "bandwidth_fraction": nbytes / seconds / peaks["bandwidth"],
+        "peak_gflops": peaks["flops"] / 1e9,
+        "peak_gbps": peaks["bandwidth"] / 1e9,
+    }

@@ -84,3 +84,22 @@ def host_peaks(cache_path: str | os.PathLike | None = CACHE_PATH, refresh: bool 
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(cached | {key: peaks}, indent=1))
     return peaks
+
+
+def device_peaks(dtype: str) -> dict[str, float] | None:
+    """Peak FLOP/s and bytes/s of the device JAX runs on: measured on a CPU (``host_peaks``),
+    the published figures of a named GPU (``research.perf.hardware``) for ``dtype``; None where
+    no figure exists."""
+    import jax
+
+    if jax.default_backend() == "cpu":
+        return host_peaks()
+    from pallas_kernels.tuning import TARGETS, target_for_kind
+    from research.perf.hardware import get_hardware
+
+    target = target_for_kind(jax.devices()[0].device_kind)
+    if target.name not in TARGETS:
+        return None
+    hw = get_hardware(target.name)
+    flops = hw.tensor_flops.get("bf16" if dtype == "bfloat16" else "fp32")
+    return None if flops is None else {"flops": flops, "bandwidth": hw.peak_bandwidth}
