@@ -148,8 +148,9 @@ def describe_fit(measured: Any, model: Any) -> str:
     return (
         f"fitted on single-stream runs ({fitted_on}; host {p.per_step_overhead_s * 1e3:.2f} ms "
         f"per step, measured) -> {hw.achievable_bandwidth / 1e9:.1f} GB/s, "
-        f"{hw.tensor_flops['fp32'] / 1e9:.1f} GFLOP/s, attention at {p.attention_efficiency:.2f}"
-        " of that"
+        f"{hw.tensor_flops['fp32'] / 1e9:.1f} GFLOP/s, attention FLOPs at "
+        f"{p.attention_efficiency:.2f} of that, attention reads at "
+        f"{p.attention_read_efficiency * hw.achievable_bandwidth / 1e9:.1f} GB/s"
     )
 
 

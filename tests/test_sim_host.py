@@ -19,8 +19,8 @@ from research.perf.host_model import (
 SIZES = dict(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=512)
 
 
-def _model(bw=12e9, flops=40e9, host=2e-3, attention=0.3) -> HostCostModel:
-    params = CostParams(1.0, host, attention_efficiency=attention)
+def _model(bw=12e9, flops=40e9, host=2e-3, attention=0.3, read=0.25) -> HostCostModel:
+    params = CostParams(1.0, host, attention_efficiency=attention, attention_read_efficiency=read)
     return HostCostModel("smollm2-135m", None, host_hardware(bw, flops), params=params, **SIZES)
 
 
@@ -57,5 +57,19 @@ def test_fit_recovers_a_machine_from_single_stream_numbers():
     fit = fit_host("smollm2-135m", measured, **SIZES)
     assert fit.hw.achievable_bandwidth == pytest.approx(12e9, rel=0.02)
     assert fit.hw.tensor_flops["fp32"] == pytest.approx(40e9, rel=0.02)
+    # The decode-time difference between the two prompt lengths is attention's reads alone.
+    assert fit.params.attention_read_efficiency == pytest.approx(0.25, rel=0.05)
     batch = StepShape.decode(16, 200)
     assert fit.step_time(batch) == pytest.approx(truth.step_time(batch), rel=0.02)
+
+
+def test_attention_reads_its_own_bandwidth():
+    """A gathered-context attention (read efficiency < 1) makes decode steps grow with rows x
+    keys; the weights' read time does not change."""
+    fast, slow = _model(attention=1.0, read=1.0), _model(attention=1.0, read=0.2)
+    for shape in (StepShape.decode(1, 200), StepShape.decode(64, 200)):
+        f, s = fast.breakdown(shape), slow.breakdown(shape)
+        assert s["dense_gemm_s"] == f["dense_gemm_s"]
+        assert s["attention_s"] == pytest.approx(5 * f["attention_s"], rel=1e-6)
+    big = slow.breakdown(StepShape.decode(64, 200))
+    assert big["attention_s"] > 10 * slow.breakdown(StepShape.decode(1, 200))["attention_s"]

@@ -21,7 +21,8 @@ Operator classes (``CostModel.breakdown`` keeps each one's bytes, FLOPs and seco
   whole pages (the last page is read in full), plus the new K/V written; FLOPs
   ``4 * heads * head_dim`` per causal query-key pair. Small pages cost bandwidth: each page and
   kv head is a separate gather behind a page-table read, priced as ``PAGE_OVERHEAD_BYTES`` extra
-  per transfer (``page_efficiency``).
+  per transfer (``page_efficiency``); those reads reach ``attention_read_efficiency`` of the read
+  bandwidth (1 for a kernel that streams pages; our XLA path's gather is slower, see host_model).
 - ``lm_head``: the [hidden, vocab] matrix streamed once, one logits row per scheduled sequence
   (vLLM computes logits for the last token only), and the sampler's ``SAMPLER_PASSES`` passes
   over the float32 logits.
@@ -150,6 +151,10 @@ class CostParams:
         GEMMs, fraction of the bf16 sustained rate.
     native_gemm_efficiency: GEMMs whose operands go to the tensor cores as stored.
     attention_efficiency: attention FLOPs, fraction of the bf16 sustained rate.
+    attention_read_efficiency: fraction of the read bandwidth (``bandwidth_efficiency`` of
+        the achievable one) that attention's K/V reads reach. 1 for a paged kernel that streams
+        whole pages (what the GB10 fit assumes, pages priced by ``page_efficiency``); lower
+        where attention gathers each row's pages into a padded copy first (our XLA path).
     moe_concentration: working-set fraction of the ``sequence_locality`` / ``hot_set`` laws.
     """
 
@@ -160,6 +165,7 @@ class CostParams:
     expert_gemm_efficiency: float = 1.0
     native_gemm_efficiency: float = 1.0
     attention_efficiency: float = 1.0
+    attention_read_efficiency: float = 1.0
     moe_concentration: float = 1.0
 
     def __post_init__(self) -> None:
@@ -344,7 +350,7 @@ class CostModel:
         ops["attention"] = (
             kv_read / self.page_efficiency + w.kv_write_tokens * self.kv_bytes_per_token,
             4.0 * cfg.num_heads * cfg.head_dim * w.attention_pairs * layers,
-            bw,
+            bw * p.attention_read_efficiency,
             p.attention_efficiency * bf16,
         )
         ops["lm_head"] = (

@@ -10,9 +10,13 @@ a power of two; attention reads every row's bucketed block table (``context_buck
 matrix is [rows, heads, queries, keys]). Each call pays the per-step host overhead (packing
 arrays, dispatch, reading the sampled tokens back).
 
-``fit_host`` fits the machine's effective read bandwidth, its effective matmul rate and the
-attention's efficiency relative to it on four single-stream numbers: the decode time per token
-and the TTFT at two prompt lengths (concurrency 1). The per-call host overhead is the engine's
+``fit_host`` fits the machine's effective read bandwidth, its effective matmul rate, the
+attention's FLOP efficiency relative to it and the share of the read bandwidth attention's K/V
+reads reach on four single-stream numbers: the decode time per token and the TTFT at two prompt
+lengths (concurrency 1). The last is its own parameter because the XLA attention gathers every
+row's pages into a padded copy before reading it, several times slower per byte than streaming
+weights; the decode-time difference between the two prompt lengths (the same weights, more keys)
+is what measures it. The per-call host overhead is the engine's
 own measured host time per step in those runs (``Engine.stats()``), or fitted when not given.
 Bandwidth and FLOP/s are fitted as absolute rates, i.e. a ``Hardware`` whose peaks ARE the fitted
 rates: no peak of this CPU is published or measured independently. Host time per extra sequence
@@ -174,8 +178,13 @@ def fit_host(
 
     def build(x: Any) -> HostCostModel:
         hw = host_hardware(math.exp(x[0]) * 1e9, math.exp(x[1]) * 1e9)
-        overhead = host if host is not None else max(0.0, x[3]) / 1e3
-        params = CostParams(1.0, overhead, attention_efficiency=min(1.0, math.exp(x[2])))
+        overhead = host if host is not None else max(0.0, x[4]) / 1e3
+        params = CostParams(
+            1.0,
+            overhead,
+            attention_efficiency=min(1.0, math.exp(x[2])),
+            attention_read_efficiency=min(1.0, math.exp(x[3])),
+        )
         return HostCostModel(model, quantization, hw, params=params, **sizes)
 
     def residuals(x: Any) -> list[float]:
@@ -187,12 +196,12 @@ def fit_host(
         res += [math.log(cm.ttft(n) / t) for n, t in sorted(measured.ttft_s.items())]
         return res
 
-    x0 = [math.log(10.0), math.log(50.0), math.log(0.5), 1.0]
-    lower = [math.log(0.1), math.log(0.1), math.log(1e-3), 0.0]
-    upper = [math.log(1e4), math.log(1e6), 0.0, 1e3]
-    n = 3 if host is not None else 4
+    x0 = [math.log(10.0), math.log(50.0), math.log(0.5), math.log(0.5), 1.0]
+    lower = [math.log(0.1), math.log(0.1), math.log(1e-3), math.log(1e-3), 0.0]
+    upper = [math.log(1e4), math.log(1e6), 0.0, 0.0, 1e3]
+    n = 4 if host is not None else 5
     fit = least_squares(
-        residuals, x0[:n], bounds=(lower[:n], upper[:n]), x_scale=[0.3, 0.3, 0.3, 1.0][:n]
+        residuals, x0[:n], bounds=(lower[:n], upper[:n]), x_scale=[0.3, 0.3, 0.3, 0.3, 1.0][:n]
     )
     if not fit.success:
         raise ValueError(f"host fit did not converge: {fit.message}")
