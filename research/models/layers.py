@@ -70,13 +70,34 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
+def matmul(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
+    """x [..., I] @ w [I, O] (``transposed``: w is [O, I]), accumulated in float32 and returned
+    in float32. Float32 operands are a plain dot. Narrower ones (bf16) are one 2-D dot with a
+    float32 result: on XLA:CPU that is the fast path (AMX / AVX512-BF16 where the CPU has them;
+    a bf16-output dot measured 2-3x slower at 4-64 rows), and a single row is padded to two,
+    because the bf16 matrix-vector path is ~20x slower than the two-row matrix product."""
+    contract = 1 if transposed else 0
+    if x.dtype == jnp.float32 and w.dtype == jnp.float32:
+        return jax.lax.dot_general(x, w, (((x.ndim - 1,), (contract,)), ((), ())))
+    lead = x.shape[:-1]
+    m = math.prod(lead)
+    x2 = x.reshape(m, x.shape[-1])
+    if m == 1:
+        x2 = jnp.concatenate([x2, jnp.zeros_like(x2)])
+    y = jax.lax.dot_general(
+        x2, w, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.float32
+    )
+    return y[:m].reshape(*lead, y.shape[-1])
+
+
 def linear(x: jax.Array, w: jax.Array | QTensor, backend: str = "xla") -> jax.Array:
-    """x [..., I] @ w [I, O]. A quantized weight is dequantized by XLA inside the step
-    (``"xla"``) or tile by tile inside the Pallas quantized-matmul kernel (``"pallas*"``)."""
+    """x [..., I] @ w [I, O] in x's dtype (accumulated in float32, see ``matmul``). A quantized
+    weight is dequantized by XLA inside the step (``"xla"``) or tile by tile inside the Pallas
+    quantized-matmul kernel (``"pallas*"``)."""
     if not isinstance(w, QTensor):
-        return x @ w
+        return matmul(x, w).astype(x.dtype)
     if backend == "xla":
-        return x @ dequantize(w).astype(x.dtype)
+        return matmul(x, dequantize(w).astype(x.dtype)).astype(x.dtype)
     from pallas_kernels.grouped_experts import quantized_matmul
     from pallas_kernels.tuning import target_for_backend
 

@@ -39,6 +39,7 @@ from research.models.layers import (
     apply_rope,
     grouped_query_attention,
     linear,
+    matmul,
     rms_norm,
     rope_cos_sin,
     swiglu,
@@ -197,7 +198,5 @@ def forward(
 def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """hidden [..., D] -> float32 logits [..., V] (tied embeddings reuse the embedding matrix)."""
     if cfg.tie_word_embeddings:
-        logits = jnp.einsum("...D,VD->...V", hidden, params["embed"])
-    else:
-        logits = hidden @ params["lm_head"]
-    return logits.astype(jnp.float32)
+        return matmul(hidden, params["embed"], transposed=True)
+    return matmul(hidden, params["lm_head"])
