@@ -165,3 +165,46 @@ def test_fork_copy_on_write_reaches_the_device(model):
     bm.free(child)
     engine.abort(rid)
     assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_narrow_kv_pages_are_written_in_place_and_never_read_unwritten(model, kv):
+    """bf16 (and fp8) pages live as raw bits on CPU, where XLA rewrites a whole float16-wide
+    layer to update one token: the pool's buffers are reused step after step (in place), and a
+    poisoned pool (NaN in every page, refilled when freed) under preemption gives the tokens of
+    a roomy, clean one."""
+    import jax
+    import jax.numpy as jnp
+
+    cfg, params = model
+    params = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), params)
+
+    def engine(blocks: int, poison: bool) -> Engine:
+        return Engine(
+            cfg,
+            params,
+            cache_config=CacheConfig(block_size=4, num_kv_blocks=blocks),
+            scheduler_config=SchedulerConfig(max_num_seqs=8),
+            max_model_len=128,
+            dtype=jnp.bfloat16,
+            kv_cache_dtype=kv,
+            poison_freed_blocks=poison,
+        )
+
+    roomy = engine(64, False)
+    pool = roomy.executor.pool
+    assert pool.page_dtype == ("bfloat16" if kv == "auto" else "float8_e4m3fn")
+    assert pool.k[0].dtype == (jnp.uint16 if kv == "auto" else jnp.uint8)
+    roomy.add_request(PROMPTS[2], GREEDY)
+    roomy.step()
+    pointer = roomy.executor.pool.k[-1].unsafe_buffer_pointer()
+    roomy.step()
+    roomy.step()
+    assert roomy.executor.pool.k[-1].unsafe_buffer_pointer() == pointer
+    _drain(roomy)
+
+    reference = engine(64, False).generate(PROMPTS, [GREEDY] * len(PROMPTS))
+    tight = engine(16, True)
+    out = tight.generate(PROMPTS, [GREEDY] * len(PROMPTS))
+    assert tight.stats()["num_preemptions"] > 0
+    assert [o.token_ids for o in out] == [o.token_ids for o in reference]

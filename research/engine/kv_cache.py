@@ -32,21 +32,38 @@ class KVPool:
     """The paged K/V pool of every layer: pages [K, B, P, E'] plus, for quantized KV
     (``kv_cache_dtype`` fp8 or int4, see ``research.quant.kv``), float32 scales [K, B, P], one
     per token and kv head. E' = E, or E/2 for int4's packed codes; scales lists are empty for
-    ``"auto"`` (pages hold K/V in the model dtype)."""
+    ``"auto"`` (pages hold K/V in the model dtype).
+
+    ``page_dtype`` names the pages' dtype when they are stored as its raw bits (unsigned
+    integers of the same width; "" = stored as values). XLA:CPU widens every bf16 / fp8 update of
+    a buffer to float32 and back, i.e. rewrites a whole layer of the pool to store one token
+    (measured 250 ms per decode step for a 755 MB bf16 pool); an integer update stays in place.
+    ``view`` and ``stored`` convert between the two (bitcasts, free)."""
 
     k: list[jax.Array]
     v: list[jax.Array]
     k_scales: list[jax.Array] = field(default_factory=list)
     v_scales: list[jax.Array] = field(default_factory=list)
     kv_dtype: str = field(default="auto", metadata=dict(static=True))
+    page_dtype: str = field(default="", metadata=dict(static=True))
 
     @property
     def quantized(self) -> bool:
         return self.kv_dtype != "auto"
 
+    def view(self, pages: jax.Array) -> jax.Array:
+        """Pages (or any slice of them) as values of the pages' dtype."""
+        return jax.lax.bitcast_convert_type(pages, self.page_dtype) if self.page_dtype else pages
+
+    def stored(self, values: jax.Array) -> jax.Array:
+        """Values of the pages' dtype as they are stored."""
+        if not self.page_dtype:
+            return values
+        return jax.lax.bitcast_convert_type(values, _BITS[jnp.dtype(self.page_dtype).itemsize])
+
     def read(self, layer: int, which: str, block_tables: jax.Array, dtype: Any) -> jax.Array:
         """Pages of ``block_tables`` [R, M] for one layer, dequantized -> [K, R, M, P, E]."""
-        pages = (self.k if which == "k" else self.v)[layer][:, block_tables]
+        pages = self.view((self.k if which == "k" else self.v)[layer][:, block_tables])
         if not self.quantized:
             return pages
         scales = (self.k_scales if which == "k" else self.v_scales)[layer][:, block_tables]
@@ -68,15 +85,42 @@ def init_kv_pool(
     code_dtype = kv_code_dtype(kv_cache_dtype, dtype)
     code_fill = 0 if jnp.issubdtype(code_dtype, jnp.integer) else fill
 
+    as_bits = stores_bits(code_dtype)
+    page_dtype = jnp.dtype(code_dtype).name if as_bits else ""
+
+    def page() -> jax.Array:
+        values = jnp.full(codes, code_fill, code_dtype)
+        return (
+            jax.lax.bitcast_convert_type(values, _BITS[values.dtype.itemsize])
+            if as_bits
+            else values
+        )
+
     def pages() -> list[jax.Array]:
-        return [jnp.full(codes, code_fill, code_dtype) for _ in range(cfg.num_layers)]
+        return [page() for _ in range(cfg.num_layers)]
 
     def scales() -> list[jax.Array]:
         if kv_cache_dtype == "auto":
             return []
         return [jnp.full(shape, fill, jnp.float32) for _ in range(cfg.num_layers)]
 
-    return KVPool(pages(), pages(), scales(), scales(), kv_dtype=kv_cache_dtype)
+    return KVPool(
+        pages(), pages(), scales(), scales(), kv_dtype=kv_cache_dtype, page_dtype=page_dtype
+    )
+
+
+_BITS = {1: jnp.uint8, 2: jnp.uint16}
+
+
+def stores_bits(dtype: Any) -> bool:
+    """Whether pages of ``dtype`` are kept as raw bits (``KVPool.page_dtype``): narrow floats on
+    the CPU backend, where updating them in place needs an integer buffer."""
+    dtype = jnp.dtype(dtype)
+    return (
+        jax.default_backend() == "cpu"
+        and jnp.issubdtype(dtype, jnp.floating)
+        and dtype.itemsize in _BITS
+    )
 
 
 def kv_pool_bytes_per_block(
@@ -166,7 +210,9 @@ def write_kv(
     def write(pages: jax.Array, new: jax.Array) -> jax.Array:  # pages [K, B, P, ...]
         kvh, n, p = pages.shape[:3]
         flat = pages.reshape(kvh, n * p, *pages.shape[3:])
-        new = jnp.moveaxis(new.astype(pages.dtype), 1, 0)  # [K, N, ...]
+        if pages.dtype != new.dtype:
+            new = pool.stored(new.astype(pool.page_dtype or pages.dtype))
+        new = jnp.moveaxis(new, 1, 0)  # [K, N, ...]
         return flat.at[:, slots].set(new, mode="drop").reshape(pages.shape)
 
     if not pool.quantized:
@@ -244,14 +290,15 @@ def _kernel_attention(
     from pallas_kernels.tuning import target_for_backend
 
     target = target_for_backend(backend)
-    if pool.k[layer].dtype == jnp.float8_e4m3fn:
+    k_pages, v_pages = pool.view(pool.k[layer]), pool.view(pool.v[layer])
+    if k_pages.dtype == jnp.float8_e4m3fn:
         target.require_fp8("the KV cache")
     r, t, h, e = q.shape
     start = jnp.maximum(positions[:, 0], 0)  # cached tokens per row (0 for padding rows)
     ctx_out, ctx_lse = paged_attention(
         q.reshape(r * t, h, e),
-        pool.k[layer],
-        pool.v[layer],
+        k_pages,
+        v_pages,
         jnp.repeat(block_tables, t, axis=0),
         jnp.repeat(start, t),
         sm_scale=scale,
@@ -259,11 +306,11 @@ def _kernel_attention(
         v_scales=pool.v_scales[layer] if pool.quantized else None,
         return_lse=True,
         **target.paged_attention.kwargs(
-            page_size=pool.k[layer].shape[2],
+            page_size=k_pages.shape[2],
             head_dim=e,
-            code_dim=pool.k[layer].shape[3],
+            code_dim=k_pages.shape[3],
             q_dtype=q.dtype,
-            page_dtype=pool.k[layer].dtype,
+            page_dtype=k_pages.dtype,
         ),
         interpret=backend == "pallas_interpret",
     )
@@ -287,9 +334,19 @@ def fill_blocks(pool: KVPool, blocks: jax.Array, value: float) -> KVPool:
     """Overwrite whole blocks with ``value`` (NaN poisoning of freed blocks in tests); integer
     codes (int4) keep their bits and the scales carry the value."""
 
-    def fill(pages: jax.Array) -> jax.Array:
+    def fill(pages: jax.Array, bits: bool = False) -> jax.Array:
+        if bits:
+            value_bits = pool.stored(jnp.asarray(value, pool.page_dtype))
+            return pages.at[:, blocks].set(value_bits)
         if jnp.issubdtype(pages.dtype, jnp.integer):
             return pages
         return pages.at[:, blocks].set(value)
 
-    return jax.tree_util.tree_map(fill, pool)
+    bits = bool(pool.page_dtype)
+    return dataclasses.replace(
+        pool,
+        k=[fill(p, bits) for p in pool.k],
+        v=[fill(p, bits) for p in pool.v],
+        k_scales=[fill(p) for p in pool.k_scales],
+        v_scales=[fill(p) for p in pool.v_scales],
+    )
