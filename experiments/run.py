@@ -11,13 +11,26 @@ directory (``output_dir=PATH`` overrides it).
 
 from __future__ import annotations
 
+import dataclasses
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from research.config import register_configs, run_config_from
+from research.config import RunConfig, register_configs, run_config_from
 
 register_configs()
+
+
+def model_override(run: RunConfig, overrides: list[str]) -> RunConfig:
+    """An experiment that lists its models (``experiment.models``) runs the one chosen on the
+    command line instead (``model=...`` or ``model.model=...``)."""
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    if run.experiment.models and keys & {"model", "model.model"}:
+        return dataclasses.replace(
+            run, experiment=dataclasses.replace(run.experiment, models=(run.model.model,))
+        )
+    return run
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
@@ -25,6 +38,7 @@ def main(cfg: DictConfig) -> None:
     from experiments.sweep import run_experiment
 
     run = run_config_from(cfg)
+    run = model_override(run, HydraConfig.get().overrides.task)
     out_dir = run.output_dir or HydraConfig.get().runtime.output_dir
     run_experiment(run, out_dir)
 

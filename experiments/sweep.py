@@ -361,6 +361,11 @@ def run_point(
     with recording() if recording is not None else contextlib.nullcontext([]) as step_log:
         result = backend.run(requests, concurrency, progress)
     after, traces = backend.stats(), STEP_TRACES[0] - traces
+    if not any(r.success for r in result.records):
+        raise ValueError(
+            f"every request failed at concurrency {concurrency}; the first: "
+            f"{result.records[0].error}"
+        )
     steps = _delta(after, before, "num_steps")
     step_time = _delta(after, before, "step_time_s")
     extra: dict[str, Any] = {
@@ -417,6 +422,34 @@ def _band_executor(run: RunConfig, backend: Backend) -> Any:
     return backend.engine.executor
 
 
+def fresh_results(out_dir: Path) -> Path:
+    """``out_dir/results.jsonl`` for a new run: refused if it exists (appending would mix two
+    runs' points in one file and one plot)."""
+    results = out_dir / "results.jsonl"
+    if results.exists():
+        raise ValueError(
+            f"{results} already exists: a second run into the same output_dir would mix its "
+            "points with the first's; choose a new output_dir or remove the old one"
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return results
+
+
+def kv_capacity_line(run: RunConfig, backend: Backend) -> str | None:
+    """vLLM's start-up line: KV blocks and tokens, and how many of the workload's requests
+    (input_len + output_len tokens) fit at once. None for peers that do not say."""
+    engine = getattr(getattr(backend, "llm", None), "engine", None)
+    if engine is None:
+        return None
+    bm, w = engine.block_manager, run.workload
+    per_request = -(-(w.input_len + w.output_len) // bm.block_size)
+    return (
+        f"KV cache: {bm.num_blocks} blocks x {bm.block_size} tokens = "
+        f"{bm.num_blocks * bm.block_size} tokens; maximum concurrency for "
+        f"{w.input_len + w.output_len}-token requests: {bm.num_blocks / per_request:.1f}x"
+    )
+
+
 def run_experiment(run: RunConfig, out_dir: str | Path, progress: bool = True) -> list[dict]:
     """The whole sweep: results.jsonl, plots and the W&B run land in ``out_dir``.
     ``experiment=validate_host`` runs ``experiments.validate_host`` instead."""
@@ -425,8 +458,7 @@ def run_experiment(run: RunConfig, out_dir: str | Path, progress: bool = True) -
 
         return validate_host(run, out_dir)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results = out_dir / "results.jsonl"
+    results = fresh_results(out_dir)
     config = dataclasses.asdict(run)
     (out_dir / "run_config.json").write_text(json.dumps(config, indent=2, default=str))
     models = run.experiment.models or (run.model.model,)
@@ -446,6 +478,9 @@ def run_experiment(run: RunConfig, out_dir: str | Path, progress: bool = True) -
             print(
                 f"[{run.experiment.name}] {backend.label}: loaded in {time.perf_counter() - t0:.1f} s"
             )
+            capacity = kv_capacity_line(model_run, backend)
+            if capacity:
+                print(f"  {capacity}")
             for c in run.experiment.concurrencies:
                 t = time.perf_counter()
                 point = run_point(model_run, backend, c, progress)
@@ -457,6 +492,11 @@ def run_experiment(run: RunConfig, out_dir: str | Path, progress: bool = True) -
                     f"{_fmt(point.get('per_user_tok_s'))} tok/s per user, median TTFT "
                     f"{point['median_ttft_ms']:.0f} ms ({time.perf_counter() - t:.1f} s)"
                 )
+                if point.get("num_preemptions"):
+                    print(
+                        f"    {point['num_preemptions']} preemptions: concurrency {c} needs more "
+                        "KV cache than the pool holds (requests were recomputed, none lost)"
+                    )
         table = format_table(points, TABLE_COLUMNS)
         (out_dir / "table.md").write_text(table + "\n")
         print()

@@ -77,14 +77,13 @@ def _single_stream(run: RunConfig, backend: Any, prompt_len: int) -> dict:
 
 
 def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
-    from experiments.sweep import EngineBackend, run_point
+    from experiments.sweep import EngineBackend, fresh_results, run_point
     from research.perf.host_model import SingleStream, fit_host, simulated_engine
 
     if run.executor.kind != "real":
         raise ValueError("experiment=validate_host measures the real engine: use executor=real")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results = out_dir / "results.jsonl"
+    results = fresh_results(out_dir)
     t0 = time.perf_counter()
     real = EngineBackend(run)
     w, s = run.workload, run.scheduler

@@ -339,6 +339,12 @@ def run_config_from(cfg: Any) -> RunConfig:
 
     container = OmegaConf.to_container(cfg, resolve=True)
     container.pop("hydra", None)
+    top = set(RUN_GROUPS) | {"output_dir"}
+    if unknown := sorted(set(container) - top):
+        raise ValueError(
+            f"unknown config keys {unknown} (an override like +{unknown[0]}=... that nothing "
+            f"reads); the config has {sorted(top)}"
+        )
     groups = {}
     for group, schema in RUN_GROUPS.items():
         values = dict(container.get(group) or {})

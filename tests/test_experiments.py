@@ -105,6 +105,12 @@ def test_sweep_writes_results_plots_and_offline_wandb(tmp_path):
     config = json.loads((out / "run_config.json").read_text())
     assert config["model"]["model"] == "tiny-llama"
     assert "| ours tiny-llama | 4 |" in proc.stdout
+    # vLLM's start-up line: the pool and how many of the workload's requests it holds
+    assert "KV cache: " in proc.stdout and "maximum concurrency for 24-token requests" in proc.stdout
+    # The same output_dir again would append a second run's points to the first's: refused.
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode != 0 and "already exists" in again.stderr
+    assert len(read_results(out / "results.jsonl")) == 2
 
 
 def test_compare_plots_several_result_files(tmp_path, capsys):
@@ -173,3 +179,37 @@ def test_compare_reads_a_multirun_folder_in_job_order_with_labels_that_say_what_
     with pytest.raises(SystemExit):
         compare([*argv[:2], "output_througput", "--out", str(out_dir)])
     assert "no point has the metric(s) ['output_througput']" in capsys.readouterr().err
+
+
+def test_an_override_nothing_reads_is_an_error():
+    with pytest.raises(ValueError, match=r"unknown config keys \['foo'\]"):
+        _compose(["+foo=1"])
+
+
+def test_a_model_chosen_on_the_command_line_replaces_the_experiments_list():
+    from experiments.run import model_override
+
+    overrides = ["experiment=reproduce_spark", "model=llama_3_3_70b"]
+    run = model_override(_compose(overrides), overrides)
+    assert run.experiment.models == ("llama-3.3-70b",)
+    both = model_override(_compose(overrides[:1]), overrides[:1])
+    assert both.experiment.models == ("qwen3-coder-30b-a3b", "llama-3.3-70b")
+
+
+def test_a_pool_smaller_than_one_request_says_so(tmp_path):
+    from experiments.sweep import run_experiment
+
+    run = _compose(
+        [
+            "model=tiny_llama",
+            "experiment.concurrencies=[2]",
+            "experiment.prompts_per_concurrency=1",
+            "experiment.warmup=false",
+            "workload.input_len=40",
+            "workload.output_len=8",
+            "cache.num_kv_blocks=2",
+            "tracking=disabled",
+        ]
+    )
+    with pytest.raises(ValueError, match="every request failed.*exceeds the whole KV pool"):
+        run_experiment(run, tmp_path / "run", progress=False)

@@ -52,6 +52,8 @@ class StepRecord:
     samples: dict[str, bool]  # request id -> ScheduledSeq.samples, read before commit
     num_running: int  # right after schedule()
     finished: list[Sequence] = field(default_factory=list)
+    # The static batch was closed when the step was scheduled (it admits nobody then).
+    batch_formed: bool = False
 
 
 class Harness:
@@ -70,6 +72,7 @@ class Harness:
         self.kv: dict[int, int] = {}  # pool slot -> prefix key
         self.steps: list[StepRecord] = []
         self.finished: list[Sequence] = []
+        self.closed_before = False
         self._counter = 0
 
     def add(self, prompt: list[int], max_tokens: int) -> Sequence:
@@ -130,6 +133,7 @@ class Harness:
 
     def step(self) -> StepRecord:
         running_before, waiting_before = list(self.sched.running), list(self.sched.waiting)
+        self.closed_before = bool(running_before) and not self.sched.static_batch_open
         return self.complete(self.sched.schedule(), running_before, waiting_before)
 
     def complete(
@@ -145,6 +149,7 @@ class Harness:
             admitted,
             {item.seq.request_id: item.samples for item in plan.scheduled},
             len(sched.running),
+            batch_formed=self.closed_before,
         )
         self.check_plan(rec)
         self.execute(plan)
@@ -171,7 +176,7 @@ class Harness:
                 assert item.start + item.num_new_tokens == item.seq.num_tokens
         if plan.preempted:
             assert rec.admitted == []  # never admit in a step that preempted
-        if cfg.scheduling_policy == "static" and rec.running_before:
+        if cfg.scheduling_policy == "static" and rec.batch_formed:
             assert rec.admitted == []
         for seq in sched.waiting:
             assert seq.block_ids == [] and seq.num_computed_tokens == 0
@@ -496,3 +501,15 @@ def test_random_workloads_finish_with_consistent_kv(workload):
         assert step < 2000, "no progress"
     h.assert_all_done(seqs)
     assert 0.0 <= h.bm.prefix_cache_hit_rate <= 1.0
+
+
+def test_static_batch_fills_max_num_seqs_whatever_the_token_budget():
+    """A static batch forms over as many steps as its prefills need under the budget: 32
+    prompts of 16 tokens with a 64-token budget make one batch of 32 (not 64 / 16 = 4)."""
+    h = Harness(max_num_seqs=32, max_num_batched_tokens=64, scheduling_policy="static")
+    seqs = [h.add(list(range(i, i + 16)), max_tokens=40) for i in range(40)]
+    h.run()
+    h.assert_all_done(seqs)
+    assert max(rec.num_running for rec in h.steps) == 32
+    first_decode = next(i for i, rec in enumerate(h.steps) if rec.batch_formed)
+    assert sum(len(rec.admitted) for rec in h.steps[:first_decode]) == 32

@@ -5,8 +5,10 @@ waiting ones, under ``max_num_seqs`` and a token budget of ``max_num_batched_tok
 block pool cannot hold a running sequence's next tokens, the newest running sequence is
 preempted by recompute: its blocks are freed and it goes back to the head of the waiting queue.
 
-``static`` policy: waiting sequences are admitted only when no sequence is running, so a batch
-runs until its longest member finishes (the baseline continuous batching is measured against).
+``static`` policy: a batch admits waiting sequences, prefills chunked under the token budget
+over as many steps as that takes, until it holds ``max_num_seqs``, the queue is empty or the
+pool is full; then it runs until its longest member finishes (the baseline continuous batching
+is measured against).
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Static batching: the batch admits waiting sequences (over as many steps as the token
+        # budget needs) until it holds max_num_seqs, the queue is empty or the pool is full;
+        # then it is closed until every member has finished.
+        self.static_batch_open = True
 
     # ------------------------------------------------------------------ queues
 
@@ -119,7 +125,12 @@ class Scheduler:
                 i += 1
 
         # 2. Waiting sequences, in order, while there is room (never in a step that preempted).
-        admit = not plan.preempted and (cfg.scheduling_policy == "continuous" or not self.running)
+        # Static batching admits only while its batch is open (see ``static_batch_open``).
+        static = cfg.scheduling_policy == "static"
+        if static and not self.running:
+            self.static_batch_open = True
+        admit = not plan.preempted and (not static or self.static_batch_open)
+        pool_full = False
         while admit and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
             computed = self.block_manager.get_computed_blocks(seq)
@@ -130,6 +141,7 @@ class Scheduler:
                     break
                 num_new = budget
             if not self.block_manager.allocate_slots(seq, num_new, computed):
+                pool_full = True
                 break
             self.waiting.popleft()
             self.block_manager.record_prefix_lookup(seq.num_tokens, len(computed))
@@ -138,6 +150,10 @@ class Scheduler:
             self.running.append(seq)
             self._add_to_plan(plan, ScheduledSeq(seq, num_computed, num_new))
             budget -= num_new
+        if static and admit and (
+            pool_full or not self.waiting or len(self.running) >= cfg.max_num_seqs
+        ):
+            self.static_batch_open = False
 
         plan.block_copies = self.block_manager.take_pending_copies()
         return plan
