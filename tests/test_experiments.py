@@ -106,7 +106,9 @@ def test_sweep_writes_results_plots_and_offline_wandb(tmp_path):
     assert config["model"]["model"] == "tiny-llama"
     assert "| ours tiny-llama | 4 |" in proc.stdout
     # vLLM's start-up line: the pool and how many of the workload's requests it holds
-    assert "KV cache: " in proc.stdout and "maximum concurrency for 24-token requests" in proc.stdout
+    assert (
+        "KV cache: " in proc.stdout and "maximum concurrency for 24-token requests" in proc.stdout
+    )
     # The same output_dir again would append a second run's points to the first's: refused.
     again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode != 0 and "already exists" in again.stderr
@@ -211,5 +213,5 @@ def test_a_pool_smaller_than_one_request_says_so(tmp_path):
             "tracking=disabled",
         ]
     )
-    with pytest.raises(ValueError, match="every request failed.*exceeds the whole KV pool"):
+    with pytest.raises(ValueError, match=r"every request failed.*exceeds the whole KV pool"):
         run_experiment(run, tmp_path / "run", progress=False)

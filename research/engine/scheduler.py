@@ -150,8 +150,10 @@ class Scheduler:
             self.running.append(seq)
             self._add_to_plan(plan, ScheduledSeq(seq, num_computed, num_new))
             budget -= num_new
-        if static and admit and (
-            pool_full or not self.waiting or len(self.running) >= cfg.max_num_seqs
+        if (
+            static
+            and admit
+            and (pool_full or not self.waiting or len(self.running) >= cfg.max_num_seqs)
         ):
             self.static_batch_open = False
 
