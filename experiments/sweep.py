@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from research.bench import BenchmarkResult, BenchRequest, random_requests, run_benchmark
+from research.bench.provenance import provenance, write_csv
 from research.bench.report import append_result, format_table, result_point
 from research.config import RunConfig
 from research.tracking import Tracker
@@ -343,7 +344,7 @@ def run_point(
     """Warm up, then benchmark ``prompts_per_concurrency * concurrency`` requests."""
     w, e = run.workload, run.experiment
     # The same seed gives the same prompts to every backend at a given concurrency.
-    seed = w.seed * 1_000_003 + concurrency
+    seed = point_seeds(run, concurrency)["prompts"]
     if e.warmup:
         n_warmup = e.warmup_prompts_per_concurrency * concurrency
         backend.run(_requests(run, backend, n_warmup, seed + 7), concurrency, False)
@@ -422,6 +423,17 @@ def _band_executor(run: RunConfig, backend: Backend) -> Any:
     return backend.engine.executor
 
 
+def point_seeds(run: RunConfig, concurrency: int) -> dict[str, int]:
+    """The seeds a point ran with: the model's (init, sampling), the workload's and the one its
+    prompts were drawn from (``run_point``)."""
+    w = run.workload
+    return {
+        "model": run.model.seed,
+        "workload": w.seed,
+        "prompts": w.seed * 1_000_003 + concurrency,
+    }
+
+
 def fresh_results(out_dir: Path) -> Path:
     """``out_dir/results.jsonl`` for a new run: refused if it exists (appending would mix two
     runs' points in one file and one plot)."""
@@ -484,6 +496,7 @@ def run_experiment(run: RunConfig, out_dir: str | Path, progress: bool = True) -
             for c in run.experiment.concurrencies:
                 t = time.perf_counter()
                 point = run_point(model_run, backend, c, progress)
+                point |= provenance(config, point_seeds(model_run, c))
                 append_result(results, point)
                 tracker.log_point(point)
                 points.append(point)
@@ -499,6 +512,7 @@ def run_experiment(run: RunConfig, out_dir: str | Path, progress: bool = True) -
                     )
         table = format_table(points, TABLE_COLUMNS)
         (out_dir / "table.md").write_text(table + "\n")
+        write_csv(points, out_dir / "results.csv")
         print()
         print(table)
         if run.tracking.plots:

@@ -77,13 +77,15 @@ def _single_stream(run: RunConfig, backend: Any, prompt_len: int) -> dict:
 
 
 def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
-    from experiments.sweep import EngineBackend, fresh_results, run_point
+    from experiments.sweep import EngineBackend, fresh_results, point_seeds, run_point
+    from research.bench.provenance import provenance, write_csv
     from research.perf.host_model import SingleStream, fit_host, simulated_engine
 
     if run.executor.kind != "real":
         raise ValueError("experiment=validate_host measures the real engine: use executor=real")
     out_dir = Path(out_dir)
     results = fresh_results(out_dir)
+    config = dataclasses.asdict(run)
     t0 = time.perf_counter()
     real = EngineBackend(run)
     w, s = run.workload, run.scheduler
@@ -122,6 +124,7 @@ def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
         t = time.perf_counter()
         got = run_point(run, real, c, progress=False)
         for point in (got, predicted):
+            point |= provenance(config, point_seeds(run, c))
             append_result(results, point)
         errors = {m: 100.0 * (predicted[m] - got[m]) / got[m] for m in METRICS}
         rows.append({"concurrency": c, "measured": got, "predicted": predicted, "error": errors})
@@ -132,6 +135,7 @@ def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
         )
     table = describe_fit(measured, model) + "\n\n" + format_validation(rows)
     (out_dir / "validate_host.md").write_text(table + "\n")
+    write_csv([r[k] for k in ("measured", "predicted") for r in rows], out_dir / "results.csv")
     print()
     print(table)
     print(f"results: {results} ({time.perf_counter() - t0:.0f} s)")

@@ -98,6 +98,19 @@ def test_sweep_writes_results_plots_and_offline_wandb(tmp_path):
         assert p["peak_gflops"] > 0 and p["peak_gbps"] > 0
         assert p["achieved_gflops"] == pytest.approx(p["flops_fraction"] * p["peak_gflops"])
         assert 0 < p["flops_fraction"] < 1.0
+    for p in points:  # provenance on every row
+        assert len(p["git_commit"]) == 40 and isinstance(p["git_dirty"], bool)
+        assert p["versions"]["jax"] and p["versions"]["python"]
+        assert p["device_kind"] == "cpu" and p["device_count"] >= 1
+        assert p["seeds"]["prompts"] == p["seeds"]["workload"] * 1_000_003 + p["max_concurrency"]
+        assert p["config"]["model"]["model"] == "tiny-llama"
+    import csv
+
+    with (out / "results.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["max_concurrency"]) for r in rows] == [1, 4]
+    assert float(rows[1]["output_throughput"]) == pytest.approx(points[1]["output_throughput"])
+    assert rows[0]["git_commit"] == points[0]["git_commit"]
     for name in ("concurrency_curves.png", "ttft.png"):
         assert (out / name).stat().st_size > 10_000
     runs = list((out / "wandb").glob("offline-run-*"))
