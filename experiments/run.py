@@ -33,14 +33,22 @@ def model_override(run: RunConfig, overrides: list[str]) -> RunConfig:
     return run
 
 
+def job_name(run: RunConfig, overrides: list[str]) -> str:
+    """The W&B run name: the experiment and the overrides that made this job (output paths
+    left out), so the jobs of a multirun are told apart."""
+    shown = [o for o in overrides if not o.split("=", 1)[0].startswith(("output_dir", "hydra"))]
+    return "-".join([run.experiment.name, *shown])[:128]
+
+
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     from experiments.sweep import run_experiment
 
     run = run_config_from(cfg)
-    run = model_override(run, HydraConfig.get().overrides.task)
+    overrides = list(HydraConfig.get().overrides.task)
+    run = model_override(run, overrides)
     out_dir = run.output_dir or HydraConfig.get().runtime.output_dir
-    run_experiment(run, out_dir)
+    run_experiment(run, out_dir, job_name=job_name(run, overrides))
 
 
 if __name__ == "__main__":

@@ -462,8 +462,11 @@ def kv_capacity_line(run: RunConfig, backend: Backend) -> str | None:
     )
 
 
-def run_experiment(run: RunConfig, out_dir: str | Path, progress: bool = True) -> list[dict]:
-    """The whole sweep: results.jsonl, plots and the W&B run land in ``out_dir``.
+def run_experiment(
+    run: RunConfig, out_dir: str | Path, progress: bool = True, job_name: str | None = None
+) -> list[dict]:
+    """The whole sweep: results.jsonl, plots and the W&B run land in ``out_dir``. ``job_name``
+    names the W&B run (``experiments.run`` passes the job's overrides).
     ``experiment=validate_host`` runs ``experiments.validate_host`` instead."""
     if run.experiment.name == "validate_host":
         from experiments.validate_host import validate_host
@@ -479,8 +482,19 @@ def run_experiment(run: RunConfig, out_dir: str | Path, progress: bool = True) -
         config,
         mode=run.tracking.wandb_mode,
         project=run.tracking.project,
-        name=f"{run.experiment.name}-{'-'.join(models)}",
+        name=job_name or f"{run.experiment.name}-{'-'.join(models)}",
+        group=run.experiment.name,
+        tags=(
+            run.experiment.name,
+            *models,
+            run.executor.kind,
+            run.hardware.name,
+            run.quantization.quantization or "unquantized",
+            run.model.dtype,
+            run.scheduler.scheduling_policy,
+        ),
     )
+    paths: list[Any] = []
     points = []
     try:
         for model in models:
@@ -525,11 +539,14 @@ def run_experiment(run: RunConfig, out_dir: str | Path, progress: bool = True) -
                 paths.append(plot_prediction_bands(points, out_dir / "prediction_bands.png"))
             tracker.log_plots(paths)
             print("plots:", ", ".join(str(p) for p in paths))
+        tracker.log_files([results, out_dir / "results.csv", out_dir / "table.md", *paths])
     finally:
         tracker.finish()
     print(f"results: {results}")
     if tracker.run_dir is not None:
         print(f"W&B ({run.tracking.wandb_mode}) run: {tracker.run_dir}")
+    if sync := tracker.sync_command():
+        print(f"upload it with: {sync}")
     return points
 
 

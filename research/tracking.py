@@ -1,9 +1,19 @@
 """Experiment tracking: one W&B run per experiment, plus the files that exist regardless.
 
 W&B runs in offline mode unless asked otherwise (``mode="online"``), so nothing needs a network
-or a login; ``wandb sync <run dir>`` uploads an offline run later. ``mode="disabled"`` skips W&B.
-results.jsonl and the PNG plots are written by the caller into the run directory whatever W&B
-does; this module logs the same rows and images into the run.
+or a login; ``wandb sync <run dir>`` uploads an offline run later (``sync_command``).
+``mode="disabled"`` skips W&B. results.jsonl, results.csv and the PNG plots are written by the
+caller into the run directory whatever W&B does; this module logs the same rows into the run:
+
+- ``max_concurrency`` is the x-axis of every metric (``define_metric``), and each row also
+  carries its text fields (label, executor, model) so the W&B table can be grouped by them;
+- the curves are native W&B line plots with one line per series (``line_series``: one per
+  label, i.e. per model and engine), never one zig-zag across models;
+- the summary holds a headline per series (peak output tok/s and the concurrency it was
+  reached at, per-user tok/s at the lowest and highest concurrency);
+- group (the experiment), tags and job type come from the experiment, the job name from the
+  overrides that made it (multirun jobs get distinct names);
+- results.jsonl, results.csv and the figures are logged as one artifact.
 """
 
 from __future__ import annotations
@@ -17,6 +27,8 @@ from typing import Any
 WANDB_MODES = ("offline", "online", "disabled")
 # Curves drawn as native W&B line plots (x = max_concurrency) as well as PNG images.
 LINE_PLOTS = ("output_throughput", "per_user_tok_s", "median_ttft_ms", "p99_ttft_ms")
+X_AXIS = "max_concurrency"
+TEXT_FIELDS = ("label", "model", "executor", "hardware", "quantization", "dtype")
 
 
 class Tracker:
@@ -30,6 +42,9 @@ class Tracker:
         mode: str = "offline",
         project: str = "research-serving",
         name: str | None = None,
+        group: str | None = None,
+        tags: Sequence[str] = (),
+        job_type: str = "sweep",
     ):
         if mode not in WANDB_MODES:
             raise ValueError(f"wandb mode must be one of {WANDB_MODES}, got {mode!r}")
@@ -37,52 +52,103 @@ class Tracker:
         self.points: list[dict[str, Any]] = []
         self.run: Any = None
         self.run_dir: Path | None = None
+        self.out_dir = Path(run_dir)
         if mode == "disabled":
             return
         import wandb
 
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("WANDB_SILENT", "true")
         self.run = wandb.init(
             project=project,
             name=name,
+            group=group,
+            tags=sorted({t[:64] for t in tags if t}),
+            job_type=job_type,
             dir=str(run_dir),
             mode=mode,
             config=dict(config),
             settings=wandb.Settings(console="off", x_disable_stats=True),
         )
+        self.run.define_metric(X_AXIS)
+        self.run.define_metric("*", step_metric=X_AXIS)
         self.run_dir = Path(self.run.dir).parent
 
     def log_point(self, point: Mapping[str, Any]) -> None:
-        """One benchmark point: its numeric fields as a W&B row (step = point index)."""
+        """One benchmark point: its numeric and text fields as a W&B row."""
         self.points.append(dict(point))
         if self.run is None:
             return
-        row = {
+        row: dict[str, Any] = {
             k: v
             for k, v in point.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
         }
-        self.run.log(row, step=len(self.points) - 1)
+        row |= {k: str(point[k]) for k in TEXT_FIELDS if point.get(k) is not None}
+        self.run.log(row)
 
     def log_plots(self, paths: Sequence[str | Path]) -> None:
-        """The PNGs as images, and the sweep's curves as native W&B line plots."""
+        """The PNGs as images, and the sweep's curves as native W&B line plots, one line per
+        series (label)."""
         if self.run is None:
             return
         import wandb
 
         media: dict[str, Any] = {Path(p).stem: wandb.Image(str(p)) for p in paths}
-        swept = [p for p in self.points if p.get("max_concurrency") is not None]
         for metric in LINE_PLOTS:
-            rows = [[p["max_concurrency"], p[metric]] for p in swept if p.get(metric) is not None]
-            if rows:
-                table = wandb.Table(data=rows, columns=["max_concurrency", metric])
-                media[f"curve/{metric}"] = wandb.plot.line(
-                    table, "max_concurrency", metric, title=f"{metric} vs concurrency"
+            series = self.series(metric)
+            if series:
+                media[f"curve/{metric}"] = wandb.plot.line_series(
+                    xs=[[x for x, _ in pts] for pts in series.values()],
+                    ys=[[y for _, y in pts] for pts in series.values()],
+                    keys=list(series),
+                    title=f"{metric} vs concurrency",
+                    xname=X_AXIS,
                 )
-        self.run.log(media, step=len(self.points))
+        self.run.log(media)
+
+    def series(self, metric: str) -> dict[str, list[tuple[float, float]]]:
+        """label -> [(max_concurrency, metric)] sorted by concurrency, for swept points."""
+        out: dict[str, list[tuple[float, float]]] = {}
+        for p in self.points:
+            x, y = p.get(X_AXIS), p.get(metric)
+            if x is None or y is None or not math.isfinite(y):
+                continue
+            out.setdefault(str(p.get("label") or p.get("model")), []).append((x, y))
+        return {k: sorted(v) for k, v in out.items()}
+
+    def headline(self) -> dict[str, float]:
+        """Per series: peak output tok/s and where, per-user tok/s at both ends of the sweep."""
+        out: dict[str, float] = {}
+        for label, pts in self.series("output_throughput").items():
+            peak_x, peak = max(pts, key=lambda xy: xy[1])
+            out[f"{label}/peak_output_throughput"] = peak
+            out[f"{label}/peak_at_concurrency"] = peak_x
+        for label, pts in self.series("per_user_tok_s").items():
+            out[f"{label}/per_user_tok_s_at_{pts[0][0]:g}"] = pts[0][1]
+            out[f"{label}/per_user_tok_s_at_{pts[-1][0]:g}"] = pts[-1][1]
+        return out
+
+    def log_files(self, paths: Sequence[str | Path], name: str = "results") -> None:
+        """results.jsonl, results.csv and figures as one artifact of the run."""
+        if self.run is None:
+            return
+        import wandb
+
+        artifact = wandb.Artifact(name, type="results")
+        for path in paths:
+            if Path(path).exists():
+                artifact.add_file(str(path))
+        self.run.log_artifact(artifact)
+
+    def sync_command(self) -> str | None:
+        """The command that uploads this run (offline runs only)."""
+        if self.run_dir is None or self.mode != "offline":
+            return None
+        return f"wandb sync {self.run_dir}"
 
     def finish(self) -> None:
         if self.run is not None:
+            self.run.summary.update(self.headline())
             self.run.finish()
             self.run = None

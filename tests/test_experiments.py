@@ -115,6 +115,7 @@ def test_sweep_writes_results_plots_and_offline_wandb(tmp_path):
         assert (out / name).stat().st_size > 10_000
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), "no offline W&B run file"
+    assert f"upload it with: wandb sync {runs[0]}" in proc.stdout
     config = json.loads((out / "run_config.json").read_text())
     assert config["model"]["model"] == "tiny-llama"
     assert "| ours tiny-llama | 4 |" in proc.stdout
