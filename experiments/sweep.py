@@ -226,12 +226,14 @@ class EngineBackend:
 
 
 class HFBackend:
-    """HF transformers ``generate`` (greedy, fp32) in static batches of ``max_concurrency``."""
+    """HF transformers ``generate`` (greedy, in the run's dtype) in static batches of
+    ``max_concurrency``."""
 
     def __init__(self, run: RunConfig):
         from research.bench.hf_peer import load_hf_model
 
-        self.model, self.tokenizer = load_hf_model(run.model.model)
+        dtype = "float32" if run.model.dtype == "auto" else run.model.dtype
+        self.model, self.tokenizer = load_hf_model(run.model.model, dtype)
         self.model_id = run.model.model
         self.label = f"hf-transformers {run.model.model}"
         self.vocab_size = int(self.model.config.vocab_size)

@@ -307,3 +307,56 @@ def test_plots_write_png_files(tmp_path):
     _assert_png(plot_comparison(series, "median_tpot_ms", tmp_path / "cmp.png"))
     for path in plot_all(series, tmp_path / "series"):
         _assert_png(path)
+
+
+def test_figures_are_paper_ready(tmp_path):
+    """Log axes where ranges span decades (TTFT always, in seconds), PDF and SVG beside a
+    300-dpi PNG, legends without what every line shares, a caption with the workload, machine
+    and executor, simulated curves dashed and named, labelled floors, the published point."""
+    from matplotlib.image import imread
+
+    from research.bench.plots import comparison_figure, concurrency_figure, ttft_figure
+
+    def sim(model, label, scale):
+        return [
+            p
+            | {
+                "label": label,
+                "executor": "simulated",
+                "hardware": "gb10",
+                "quantization": "awq",
+                "input_len": 512,
+                "output_len": 256,
+            }
+            for p in _sweep(model, scale)
+        ]
+
+    points = sim("qwen3-coder-30b-a3b", "simulated-gb10 qwen3-coder-30b-a3b", 1.0)
+    points += sim("llama-3.3-70b", "simulated-gb10 llama-3.3-70b", 0.02)
+    fig = concurrency_figure(points)
+    ax_total, ax_user = fig.axes
+    assert ax_total.get_yscale() == "log"  # 70B and MoE lines are 50x apart
+    legend = [t.get_text() for t in ax_user.get_legend().get_texts()]
+    assert "qwen3-coder-30b-a3b (simulated)" in legend  # "simulated-gb10" is in the caption
+    assert "comfortable floor 15" in legend and "minimum floor 10" in legend
+    assert ax_user.get_ylabel() == "per-user tok/s (1000 / median TPOT)"
+    assert all(line.get_linestyle() == "--" for line in ax_total.get_lines())
+    annotations = [t.get_text() for t in ax_user.texts]
+    assert "published qwen-128" in annotations and "published llama-128" in annotations
+    (caption,) = [t.get_text() for t in fig.texts]
+    assert "simulated-gb10" in caption and "512 in / 256 out" in caption
+    assert "machine: gb10" in caption and "dashed: simulated" in caption
+
+    ttft = ttft_figure(points).axes[0]
+    assert ttft.get_yscale() == "log" and ttft.get_ylabel() == "TTFT (s)"
+    ys = ttft.get_lines()[0].get_ydata()
+    assert ys[0] == pytest.approx(37 * (1 + 1 / 8) / 1e3)  # seconds
+
+    close = {"block 8": _sweep("m", 0.9), "block 16": _sweep("m", 1.0)}
+    assert comparison_figure(close, "output_throughput").axes[0].get_yscale() == "log"
+    assert comparison_figure(close, "per_user_tok_s").axes[0].get_yscale() == "linear"
+
+    path = plot_all(points, tmp_path)[0]
+    assert path.with_suffix(".pdf").read_bytes()[:4] == b"%PDF"
+    assert b"<svg" in path.with_suffix(".svg").read_bytes()[:500]
+    assert imread(path).shape[1] == 7 * 300  # 7 in at 300 dpi

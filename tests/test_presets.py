@@ -1,4 +1,4 @@
-"""Presets are data: their shapes match the published configs (REFERENCE.md section 3)."""
+"""Presets are data: their shapes match the published configs (docs/reference.md section 3)."""
 
 from __future__ import annotations
 

@@ -288,13 +288,17 @@ def run_hf_benchmark(
     )
 
 
-def load_hf_model(model: str | os.PathLike = "smollm2-135m"):
-    """``(model, tokenizer)`` in eval mode, fp32, from a preset, a .gguf file or an HF directory.
+def load_hf_model(model: str | os.PathLike = "smollm2-135m", dtype: str = "float32"):
+    """``(model, tokenizer)`` in eval mode, in ``dtype`` ("float32" or "bfloat16"), from a
+    preset, a .gguf file or an HF directory.
 
     ``"smollm2-135m"`` is the bundled SmolLM2-135M GGUF (dequantized by transformers). The
     tokenizer is None for a directory without one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"the HF peer runs float32 or bfloat16, got {dtype!r}")
+    torch_dtype = getattr(torch, dtype)
     name = str(model)
     if name in HF_PRESETS:
         from research.models.weights import smollm2_gguf_path  # imports JAX; only needed here
@@ -304,11 +308,11 @@ def load_hf_model(model: str | os.PathLike = "smollm2-135m"):
         path = Path(name)
     if path.suffix == ".gguf" and path.is_file():
         hf = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32
+            path.parent, gguf_file=path.name, dtype=torch_dtype
         )
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     elif path.is_dir() and (path / "config.json").exists():
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
         has_tokenizer = any(
             (path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
         )

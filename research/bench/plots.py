@@ -8,6 +8,15 @@ several result files, engines or ablations on the same axes.
 The x axis is the concurrency (log2): a point's ``max_concurrency``, or ``num_prompts`` when all
 requests were sent at once without a cap. Open-loop points (finite rate, no cap) have no
 concurrency and are left out.
+
+For a paper: each figure is saved as a 300-dpi PNG plus PDF and SVG beside it, sized for a
+two-column page (7 in wide, or 3.5 in for one panel). TTFT is in seconds on a log axis;
+throughput goes log when the lines span more than a decade (``log_y``). The legend keeps only
+what differs between lines; what they share goes into the caption under the figure with the
+workload, the machine and the executor. Simulated curves are dashed and say so; the published
+single-request points of the calibration are drawn where a curve is of their model on their
+machine; the per-user speed floors are labelled as floors, and per-user tok/s is defined on the
+axis (1000 / median TPOT).
 """
 
 from __future__ import annotations
@@ -23,14 +32,18 @@ from matplotlib.ticker import FuncFormatter
 Point = Mapping[str, Any]
 PointsOrSeries = Sequence[Point] | Mapping[str, Sequence[Point]]
 
-# Per-user speed floors of the sizing method (REFERENCE.md section 1): comfortable and minimum.
+# Per-user speed floors of the sizing method: comfortable and minimum.
 SPEED_FLOORS_TOK_S = (15.0, 10.0)
+FLOOR_NAMES = ("comfortable", "minimum")
+FORMATS = (".pdf", ".svg")  # written beside every PNG
+DPI = 300
+WIDTH_IN = 7.0  # a two-column page's text width; one panel is half of it
 
 METRIC_LABELS = {
     "output_throughput": "aggregate output tok/s",
     "total_token_throughput": "total (prompt + output) tok/s",
     "request_throughput": "requests/s",
-    "per_user_tok_s": "per-user tok/s",
+    "per_user_tok_s": "per-user tok/s (1000 / median TPOT)",
     "median_ttft_ms": "median TTFT (ms)",
     "p99_ttft_ms": "p99 TTFT (ms)",
     "median_tpot_ms": "median TPOT (ms)",
@@ -74,68 +87,213 @@ def _curve(points: Sequence[Point], metric: str) -> tuple[list[int], list[float]
 def _setup_x(ax: Any) -> None:
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))  # 1, 2, 4 rather than 2^k
-    ax.set_xlabel("concurrency")
+    ax.set_xlabel("concurrency", fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
 
 
 def _save(fig: Figure, path: str | Path) -> Path:
+    """``path`` (PNG at 300 dpi) and the same figure as PDF and SVG beside it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=DPI)
+    for suffix in FORMATS:
+        fig.savefig(path.with_suffix(suffix))
     return path
 
 
-def plot_concurrency_curves(data: PointsOrSeries, path: str | Path) -> Path:
-    """Aggregate output tok/s (left) and per-user tok/s (right) against concurrency."""
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
-    ax_total, ax_user = fig.subplots(1, 2)
-    for label, points in _as_series(data).items():
-        ax_total.plot(*_curve(points, "output_throughput"), marker="o", label=label)
-        ax_user.plot(*_curve(points, "per_user_tok_s"), marker="o", label=label)
-    for floor, style in zip(SPEED_FLOORS_TOK_S, ("--", ":"), strict=True):
-        ax_user.axhline(floor, color="gray", linestyle=style, linewidth=1, label=f"{floor:g} tok/s")
-    for ax, metric in ((ax_total, "output_throughput"), (ax_user, "per_user_tok_s")):
-        _setup_x(ax)
-        ax.set_ylabel(METRIC_LABELS[metric])
+def _short_labels(labels: Sequence[str]) -> tuple[dict[str, str], str]:
+    """Legend entries without the words every label shares, and those shared words."""
+    words = [label.split() for label in labels]
+    shared = [w for w in words[0] if all(w in ws for ws in words[1:])] if len(words) > 1 else []
+    short = {
+        label: " ".join(w for w in ws if w not in shared) or label
+        for label, ws in zip(labels, words, strict=True)
+    }
+    return short, " ".join(shared)
+
+
+def _is_simulated(points: Sequence[Point]) -> bool:
+    return any(str(p.get("executor", "")).startswith("simulated") for p in points)
+
+
+def caption(series: Mapping[str, Sequence[Point]], shared: str = "") -> str:
+    """Workload, machine and executor of the points (and what every line shares)."""
+    points = [p for pts in series.values() for p in pts]
+
+    def values(key: str) -> str:
+        found = sorted({str(p[key]) for p in points if p.get(key) is not None})
+        return "/".join(found)
+
+    parts = []
+    if shared:
+        parts.append(shared)
+    lengths = sorted({(p.get("input_len"), p.get("output_len")) for p in points} - {(None, None)})
+    if lengths:
+        parts.append(", ".join(f"{i} in / {o} out" for i, o in lengths) + " tokens")
+    for key, name in (("hardware", "machine"), ("executor", "executor"), ("dtype", "dtype")):
+        if value := values(key):
+            parts.append(f"{name}: {value}")
+    if any(_is_simulated(pts) for pts in series.values()):
+        parts.append("dashed: simulated (cost model), not measured")
+    return "; ".join(parts)
+
+
+def _published(points: Sequence[Point]) -> list[tuple[str, float]]:
+    """(name, per-user tok/s) of the published single-request points of these curves' model
+    on their machine (the calibration's), drawn at concurrency 1."""
+    from research.perf.calibration import CALIBRATION_POINTS
+
+    keys = {(p.get("model"), p.get("hardware"), p.get("quantization")) for p in points}
+    return [
+        (c.name, 1.0 / c.tpot_s)
+        for c in CALIBRATION_POINTS
+        if c.tpot_s is not None and (c.model, c.hardware, c.quantization or "none") in keys
+    ]
+
+
+def _plot_series(
+    ax: Any,
+    series: Mapping[str, Sequence[Point]],
+    metric: str,
+    names: Mapping[str, str],
+    scale: float = 1.0,
+    **style: Any,
+) -> list[float]:
+    values: list[float] = []
+    for label, points in series.items():
+        xs, ys = _curve(points, metric)
+        ys = [y * scale for y in ys]
+        values += ys
+        simulated = _is_simulated(points)
+        name = names[label] + (" (simulated)" if simulated else "")
+        style = {"linestyle": "--" if simulated else "-"} | style
+        ax.plot(xs, ys, marker="o", markersize=3, label=name, **style)
+    return values
+
+
+def _y_axis(ax: Any, values: Sequence[float], log_y: bool | None) -> None:
+    positive = [v for v in values if v > 0]
+    spans_decade = bool(positive) and max(positive) > 10 * min(positive)
+    if log_y or (log_y is None and spans_decade):
+        ax.set_yscale("log")
+    else:
         ax.set_ylim(bottom=0)
-        ax.legend(fontsize="small")
-    fig.suptitle("Throughput against concurrency")
-    return _save(fig, path)
+
+
+def _finish(fig: Figure, series: Mapping[str, Sequence[Point]], shared: str) -> None:
+    text = caption(series, shared)
+    if text:
+        fig.text(0.5, 0.0, text, ha="center", va="bottom", fontsize=6, wrap=True)
+
+
+def plot_concurrency_curves(
+    data: PointsOrSeries, path: str | Path, log_y: bool | None = None
+) -> Path:
+    """Aggregate output tok/s (left) and per-user tok/s (right) against concurrency, with the
+    speed floors and the published single-request points."""
+    return _save(concurrency_figure(data, log_y), path)
+
+
+def concurrency_figure(data: PointsOrSeries, log_y: bool | None = None) -> Figure:
+    series = _as_series(data)
+    names, shared = _short_labels(list(series))
+    fig = Figure(figsize=(WIDTH_IN, 2.9), layout="constrained")
+    fig.get_layout_engine().set(h_pad=0.12)
+    ax_total, ax_user = fig.subplots(1, 2)
+    total = _plot_series(ax_total, series, "output_throughput", names)
+    user = _plot_series(ax_user, series, "per_user_tok_s", names)
+    for (floor, style), kind in zip(
+        zip(SPEED_FLOORS_TOK_S, ("--", ":"), strict=True), FLOOR_NAMES, strict=True
+    ):
+        ax_user.axhline(
+            floor, color="gray", linestyle=style, linewidth=0.8, label=f"{kind} floor {floor:g}"
+        )
+    published = _published([p for pts in series.values() for p in pts])
+    for name, value in published:
+        ax_user.plot([1], [value], marker="*", markersize=8, color="black", linestyle="none")
+        ax_user.annotate(
+            f"published {name}", (1, value), fontsize=5, xytext=(4, 2), textcoords="offset points"
+        )
+    for ax, metric, values in (
+        (ax_total, "output_throughput", total),
+        (ax_user, "per_user_tok_s", user + [v for _, v in published] + list(SPEED_FLOORS_TOK_S)),
+    ):
+        _setup_x(ax)
+        ax.set_ylabel(METRIC_LABELS[metric], fontsize=7)
+        ax.tick_params(labelsize=6)
+        _y_axis(ax, values, log_y)
+        ax.legend(fontsize=5)
+    _finish(fig, series, shared)
+    return fig
 
 
 def plot_ttft(data: PointsOrSeries, path: str | Path) -> Path:
-    """Median (solid) and p99 (dashed) time to first token against concurrency."""
-    fig = Figure(figsize=(6.5, 4.2), layout="constrained")
+    """Median (solid) and p99 (dotted) time to first token against concurrency, in seconds on
+    a log axis (TTFT spans decades between a light and a saturated server)."""
+    return _save(ttft_figure(data), path)
+
+
+def ttft_figure(data: PointsOrSeries) -> Figure:
+    series = _as_series(data)
+    names, shared = _short_labels(list(series))
+    fig = Figure(figsize=(WIDTH_IN / 2, 2.9), layout="constrained")
+    fig.get_layout_engine().set(h_pad=0.15)
     ax = fig.subplots()
-    for label, points in _as_series(data).items():
-        (line,) = ax.plot(*_curve(points, "median_ttft_ms"), marker="o", label=f"{label} median")
+    for label, points in series.items():
+        xs, ys = _curve(points, "median_ttft_ms")
+        simulated = " (simulated)" if _is_simulated(points) else ""
+        (line,) = ax.plot(
+            xs,
+            [y / 1e3 for y in ys],
+            marker="o",
+            markersize=3,
+            label=f"{names[label]}{simulated} median",
+        )
+        xs, ys = _curve(points, "p99_ttft_ms")
         ax.plot(
-            *_curve(points, "p99_ttft_ms"),
+            xs,
+            [y / 1e3 for y in ys],
             marker="x",
-            linestyle="--",
+            markersize=3,
+            linestyle=":",
             color=line.get_color(),
-            label=f"{label} p99",
+            label=f"{names[label]} p99",
         )
     _setup_x(ax)
-    ax.set_ylabel("TTFT (ms)")
-    ax.set_ylim(bottom=0)
-    ax.legend(fontsize="small")
-    ax.set_title("Time to first token against concurrency")
-    return _save(fig, path)
+    ax.set_yscale("log")
+    ax.set_ylabel("TTFT (s)", fontsize=7)
+    ax.tick_params(labelsize=6)
+    ax.legend(fontsize=5)
+    _finish(fig, series, shared)
+    return fig
 
 
-def plot_comparison(series: Mapping[str, Sequence[Point]], metric: str, path: str | Path) -> Path:
-    """One line per label of ``metric`` against concurrency (block sizes, formats, engines...)."""
-    fig = Figure(figsize=(6.5, 4.2), layout="constrained")
+def plot_comparison(
+    series: Mapping[str, Sequence[Point]], metric: str, path: str | Path, log_y: bool | None = None
+) -> Path:
+    """One line per label of ``metric`` against concurrency (block sizes, formats, engines...);
+    TTFT metrics in seconds on a log axis."""
+    return _save(comparison_figure(series, metric, log_y), path)
+
+
+def comparison_figure(
+    series: Mapping[str, Sequence[Point]], metric: str, log_y: bool | None = None
+) -> Figure:
+    series = _as_series(series)
+    names, shared = _short_labels(list(series))
+    fig = Figure(figsize=(WIDTH_IN / 2, 2.9), layout="constrained")
+    fig.get_layout_engine().set(h_pad=0.15)
     ax = fig.subplots()
-    for label, points in _as_series(series).items():
-        ax.plot(*_curve(points, metric), marker="o", label=label)
+    is_ttft = "ttft" in metric
+    values = _plot_series(ax, series, metric, names, scale=1e-3 if is_ttft else 1.0)
     _setup_x(ax)
-    ax.set_ylabel(METRIC_LABELS.get(metric, metric))
-    ax.set_ylim(bottom=0)
-    ax.legend(fontsize="small")
-    ax.set_title(f"{METRIC_LABELS.get(metric, metric)} against concurrency")
-    return _save(fig, path)
+    label = METRIC_LABELS.get(metric, metric)
+    ax.set_ylabel(label.replace("(ms)", "(s)") if is_ttft else label, fontsize=7)
+    ax.tick_params(labelsize=6)
+    _y_axis(ax, values, True if is_ttft else log_y)
+    ax.legend(fontsize=5)
+    _finish(fig, series, shared)
+    return fig
 
 
 def plot_all(data: PointsOrSeries, out_dir: str | Path) -> list[Path]:

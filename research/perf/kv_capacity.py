@@ -1,6 +1,6 @@
 """How many KV-cache tokens fit on a machine: weights as stored, KV bytes per token, vLLM's formula.
 
-vLLM sizes its paged KV pool once, at startup (REFERENCE.md section 5)::
+vLLM sizes its paged KV pool once, at startup (docs/reference.md section 5)::
 
     available  = total_device_memory * gpu_memory_utilization - (weights + peak activations + other)
     num_blocks = floor(available / (block_size * kv_bytes_per_token))
@@ -306,7 +306,7 @@ def kv_capacity(
     max_num_seqs: int | None = None,
     tensor_parallel_size: int = 1,
 ) -> KVCapacity:
-    """Size the KV pool as vLLM does (REFERENCE.md section 5), per device:
+    """Size the KV pool as vLLM does (docs/reference.md section 5), per device:
 
         available  = cuda_visible_bytes * gpu_memory_utilization - (weights + activation_bytes)
         num_blocks = floor(available / (block_size * kv_bytes_per_token))

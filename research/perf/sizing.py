@@ -1,4 +1,4 @@
-"""From a measured concurrency curve to a number of people one box serves (REFERENCE.md section 1).
+"""From a measured concurrency curve to a number of people one box serves (docs/reference.md section 1).
 
 1. Pick a per-user speed floor (15 tok/s comfortable, 10 tok/s minimum) and read the number of
    concurrent streams at which per-user tok/s falls to it off the measured curve, interpolating
@@ -78,7 +78,7 @@ def duty_cycle(
     answer_tokens: float = 400, tok_s: float = 15.0, ttft_s: float = 1.0, period_s: float = 120.0
 ) -> float:
     """Fraction of the time one user keeps a stream busy: ``(answer_tokens / tok_s + ttft_s) /
-    period_s``; (400 / 15 + 1) / 120 = 0.2306 (REFERENCE.md section 1's 23%). Can exceed 1 (a user
+    period_s``; (400 / 15 + 1) / 120 = 0.2306 (docs/reference.md section 1's 23%). Can exceed 1 (a user
     who asks again before the last answer ends keeps more than one stream busy on average)."""
     if answer_tokens < 0 or ttft_s < 0:
         raise ValueError(f"answer_tokens ({answer_tokens}) and ttft_s ({ttft_s}) must be >= 0")
@@ -145,7 +145,7 @@ def size_users(
     ttft_s: float = 1.0,
     z: float = POISSON_P99_Z,
 ) -> SizingResult:
-    """The sizing method of REFERENCE.md section 1 on one measured curve at one floor."""
+    """The sizing method of docs/reference.md section 1 on one measured curve at one floor."""
     streams, lower_bound = floor_crossing(curve, floor_tok_s)
     duty = duty_cycle(answer_tokens, floor_tok_s, ttft_s, period_s)
     users = max_users_for_streams(streams, duty, z)
