@@ -229,3 +229,70 @@ def test_a_pool_smaller_than_one_request_says_so(tmp_path):
     )
     with pytest.raises(ValueError, match=r"every request failed.*exceeds the whole KV pool"):
         run_experiment(run, tmp_path / "run", progress=False)
+
+
+def test_compare_groups_by_factors_and_vllm_files_by_model(tmp_path, capsys):
+    """--group-by labels lines by the chosen factors (colour by the first, style by the
+    second) and writes summary.csv with PDF/SVG figures; vLLM --save-result files (one per
+    concurrency) become one curve per model_id."""
+    import csv
+
+    from experiments.compare import main as compare
+    from experiments.compare import styles
+
+    for job, policy, block in ((0, "static", 16), (1, "continuous", 16), (2, "continuous", 8)):
+        run = tmp_path / "multirun" / str(job)
+        run.mkdir(parents=True)
+        points = [
+            {
+                "label": "ours tiny-llama",
+                "max_concurrency": c,
+                "output_throughput": float((job + 1) * c),
+                "scheduling_policy": policy,
+                "block_size": block,
+            }
+            for c in (4, 1)
+        ]
+        (run / "results.jsonl").write_text("".join(json.dumps(p) + "\n" for p in points))
+    out = tmp_path / "cmp"
+    argv = [str(tmp_path / "multirun"), "--metrics", "output_throughput", "--out", str(out)]
+    compare([*argv, "--group-by", "scheduling_policy,block_size"])
+    with (out / "summary.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["label"], r["max_concurrency"]) for r in rows[:2]] == [
+        ("scheduling_policy=static block_size=16", "1"),
+        ("scheduling_policy=static block_size=16", "4"),
+    ]
+    assert len(rows) == 6 and float(rows[-1]["output_throughput"]) == 12.0
+    assert (out / "output_throughput.pdf").exists() and (out / "output_throughput.svg").exists()
+    style = styles([r["label"] for r in rows[::2]])
+    a, b, c = style.values()
+    assert a["color"] != b["color"] == c["color"]  # colour: policy
+    assert a["linestyle"] == b["linestyle"] != c["linestyle"]  # style: block size
+    with pytest.raises(SystemExit):
+        compare([*argv, "--group-by", "bogus"])
+    assert "--group-by bogus: no point has it" in capsys.readouterr().err
+
+    vllm = tmp_path / "vllm"
+    vllm.mkdir()
+    for model in ("org/a", "org/b"):
+        for c in (1, 8):
+            result = {
+                "model_id": model,
+                "max_concurrency": c,
+                "num_prompts": 3 * c,
+                "request_rate": "inf",
+                "output_throughput": 10.0 * c,
+            }
+            (vllm / f"{model[-1]}-{c}.json").write_text(json.dumps(result))
+    files = sorted(str(p) for p in vllm.glob("*.json"))
+    capsys.readouterr()
+    compare([*files, "--metrics", "output_throughput", "--out", str(tmp_path / "v")])
+    with (tmp_path / "v" / "summary.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["label"], r["max_concurrency"]) for r in rows] == [
+        ("org/a", "1"),
+        ("org/a", "8"),
+        ("org/b", "1"),
+        ("org/b", "8"),
+    ]

@@ -227,3 +227,59 @@ def test_http_benchmark_client_records_ttft_and_tpot(server):
     metrics = compute_metrics(result.records, result.duration)
     assert metrics["completed"] == 8 and metrics["total_output_tokens"] == 32
     assert metrics["median_ttft_ms"] > 0 and metrics["median_tpot_ms"] > 0
+
+
+UNSUPPORTED = {
+    "logprobs": 5,
+    "top_logprobs": 2,
+    "echo": True,
+    "best_of": 3,
+    "presence_penalty": 0.5,
+    "frequency_penalty": 1.0,
+    "repetition_penalty": 1.2,
+    "logit_bias": {"50": 10},
+    "response_format": {"type": "json_object"},
+    "tools": [{"type": "function", "function": {"name": "f"}}],
+    "suffix": "end",
+}
+
+
+def test_fields_the_server_would_ignore_are_refused_by_name(server):
+    """Every OpenAI field that would have no effect gets a 400 naming it; its neutral value
+    (what clients send by default) is accepted; a zero token budget is refused."""
+    for name, value in UNSUPPORTED.items():
+        response = httpx.post(f"{server}/v1/completions", json=_body(**{name: value}), timeout=60)
+        assert response.status_code == 400, name
+        assert f"'{name}' is not supported" in response.json()["error"]["message"]
+    neutral = dict(logprobs=None, presence_penalty=0, frequency_penalty=0.0, echo=False, best_of=1)
+    ok = httpx.post(f"{server}/v1/completions", json=_body(**neutral), timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+    for name in ("max_completion_tokens", "max_tokens"):
+        body = {k: v for k, v in _body().items() if k != "max_tokens"} | {name: 0}
+        response = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 400 and f"'{name}' must be at least 1" in response.text
+
+
+def test_chat_content_parts_are_read_as_text(server):
+    """OpenAI content parts (what vllm bench serve --backend openai-chat and guidellm send)."""
+
+    def chat(content) -> httpx.Response:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 6,
+            "temperature": 0.0,
+        }
+        return httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60)
+
+    plain = chat("What is the capital of France?")
+    parts = chat(
+        [
+            {"type": "text", "text": "What is the capital"},
+            {"type": "text", "text": " of France?"},
+        ]
+    )
+    assert plain.status_code == parts.status_code == 200
+    assert parts.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+    image = chat([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])
+    assert image.status_code == 400 and "only text content parts" in image.text

@@ -269,15 +269,22 @@ def ttft_figure(data: PointsOrSeries) -> Figure:
 
 
 def plot_comparison(
-    series: Mapping[str, Sequence[Point]], metric: str, path: str | Path, log_y: bool | None = None
+    series: Mapping[str, Sequence[Point]],
+    metric: str,
+    path: str | Path,
+    log_y: bool | None = None,
+    styles: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Path:
     """One line per label of ``metric`` against concurrency (block sizes, formats, engines...);
-    TTFT metrics in seconds on a log axis."""
-    return _save(comparison_figure(series, metric, log_y), path)
+    TTFT metrics in seconds on a log axis; ``styles``: matplotlib line styles per label."""
+    return _save(comparison_figure(series, metric, log_y, styles), path)
 
 
 def comparison_figure(
-    series: Mapping[str, Sequence[Point]], metric: str, log_y: bool | None = None
+    series: Mapping[str, Sequence[Point]],
+    metric: str,
+    log_y: bool | None = None,
+    styles: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Figure:
     series = _as_series(series)
     names, shared = _short_labels(list(series))
@@ -285,7 +292,16 @@ def comparison_figure(
     fig.get_layout_engine().set(h_pad=0.15)
     ax = fig.subplots()
     is_ttft = "ttft" in metric
-    values = _plot_series(ax, series, metric, names, scale=1e-3 if is_ttft else 1.0)
+    values: list[float] = []
+    for label in series:
+        values += _plot_series(
+            ax,
+            {label: series[label]},
+            metric,
+            names,
+            scale=1e-3 if is_ttft else 1.0,
+            **dict((styles or {}).get(label, {})),
+        )
     _setup_x(ax)
     label = METRIC_LABELS.get(metric, metric)
     ax.set_ylabel(label.replace("(ms)", "(s)") if is_ttft else label, fontsize=7)

@@ -68,12 +68,50 @@ def short(value: Any, limit: int = 100) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# OpenAI fields this server does not implement, with the values that ask for nothing (clients
+# send some of them by default). Any other value is refused with a 400 naming the field, rather
+# than accepted and ignored.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "suffix": (None, ""),
+}
+
+
+def refuse_unsupported(body: dict) -> None:
+    """400 naming the first field the request sets that this server would otherwise ignore."""
+    for name, neutral in UNSUPPORTED_FIELDS.items():
+        if name in body and not any(
+            body[name] == v and type(body[name]) is type(v) for v in neutral
+        ):
+            raise APIError(
+                400, f"'{name}' is not supported by this server (got {short(body[name])})"
+            )
+
+
 def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
     """The request's SamplingParams; SamplingParams itself checks each value's type and range."""
+    refuse_unsupported(body)
     if field(body, "n", int, 1) != 1:
         raise APIError(400, "only n=1 is supported")
     stop = field(body, "stop", (str, list)) or ()
-    max_tokens = field(body, "max_completion_tokens", int) or field(body, "max_tokens", int)
+    max_tokens = field(body, "max_completion_tokens", int)
+    if max_tokens is None:
+        max_tokens = field(body, "max_tokens", int)
+    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if max_tokens is not None and max_tokens < 1:
+        raise APIError(400, f"'{name}' must be at least 1, got {max_tokens}")
     try:
         return SamplingParams(
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
@@ -136,16 +174,28 @@ def chat_messages(body: dict, engine: Engine, byte_limit: int) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list")
     num_bytes = 0
+    checked = []
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, f"each message needs a 'role' and a 'content', got {short(m)}")
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI content parts: text only
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise APIError(400, f"only text content parts are supported, got {short(part)}")
+                if not isinstance(part.get("text"), str):
+                    raise APIError(400, "a text content part needs a string 'text'")
+                texts.append(part["text"])
+            m = {**m, "content": "".join(texts)}
         if not isinstance(m.get("content"), str):
-            raise APIError(400, "message 'content' must be a string")
+            raise APIError(400, "message 'content' must be a string or a list of text parts")
+        checked.append(m)
         num_bytes += len(m["role"].encode("utf-8")) + len(m["content"].encode("utf-8"))
     if engine.tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so chat is unavailable")
     _check_prompt_bytes(engine, num_bytes, byte_limit)
-    return messages
+    return checked
 
 
 class Detokenizer:
