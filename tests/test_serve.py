@@ -283,3 +283,37 @@ def test_chat_content_parts_are_read_as_text(server):
     assert parts.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
     image = chat([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])
     assert image.status_code == 400 and "only text content parts" in image.text
+
+
+def test_tokenize_and_detokenize_as_vllm(server, smollm2_llm):
+    text = "The capital of France is"
+    tok = httpx.post(f"{server}/tokenize", json={"model": MODEL, "prompt": text}, timeout=60)
+    assert tok.status_code == 200
+    body = tok.json()
+    assert body["tokens"] == smollm2_llm.tokenizer.encode(text)
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] > 0
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = httpx.post(f"{server}/tokenize", json={"messages": messages}, timeout=60).json()
+    assert chat["tokens"] == smollm2_llm.tokenizer.apply_chat_template(messages, True)
+    back = httpx.post(f"{server}/detokenize", json={"tokens": body["tokens"]}, timeout=60)
+    assert back.status_code == 200 and back.json()["prompt"] == text
+    bad = httpx.post(f"{server}/detokenize", json={"tokens": [1, -3]}, timeout=60)
+    assert bad.status_code == 400 and "'tokens'" in bad.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["tiny-llama", "--model", "smollm2-135m"], "two models given"),
+        (["tiny-llama", "--gpu-memory-utilization", "0.9"], "--kv-cache-memory-bytes"),
+        (["tiny-llama", "--tensor-parallel-size", "2"], "simulator only"),
+    ],
+)
+def test_serve_cli_takes_the_model_positionally_and_says_what_vllm_flags_mean_here(
+    argv, message, capsys
+):
+    from research.serve.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err

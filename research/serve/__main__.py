@@ -1,7 +1,9 @@
-"""Serve a model over HTTP: ``python -m research.serve --model smollm2-135m --port 8000``.
+"""Serve a model over HTTP: ``python -m research.serve smollm2-135m --port 8000`` (the model is
+positional as in ``vllm serve``; ``--model`` works too).
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (see ``research.serve.app``).
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /tokenize``,
+``POST /detokenize``, ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (see
+``research.serve.app``).
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from research.engine.compile_cache import DEFAULT_CACHE_DIR
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m research.serve", description=__doc__)
     parser.add_argument(
-        "--model", default="smollm2-135m", help="preset, .gguf, HF dir or checkpoint"
+        "model_tag", nargs="?", default=None, help="preset, .gguf, HF dir or checkpoint"
     )
+    parser.add_argument("--model", default=None, help="the same, as a flag")
     parser.add_argument(
         "--served-model-name", default=None, help="name clients use (default: --model)"
     )
@@ -39,6 +42,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--kv-cache-memory-bytes", type=int, default=1 << 30, help="KV pool size on this host"
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="vLLM's KV sizing on a GPU; refused here (the engine sizes its pool with "
+        "--kv-cache-memory-bytes or --num-kv-blocks)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="1 (more is simulated only)"
+    )
+    parser.add_argument(
         "--enforce-eager",
         action="store_true",
         help="do not compile the covering step shapes at start: the first request of each new "
@@ -50,6 +66,19 @@ def main(argv: list[str] | None = None) -> None:
         help="JAX's persistent compilation cache ('' turns it off): a restart skips XLA compiles",
     )
     args = parser.parse_args(argv)
+    if args.model_tag and args.model and args.model_tag != args.model:
+        parser.error(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    model = args.model_tag or args.model or "smollm2-135m"
+    if args.gpu_memory_utilization is not None:
+        parser.error(
+            "--gpu-memory-utilization sizes vLLM's KV pool from a GPU's memory; this engine "
+            "sizes it with --kv-cache-memory-bytes or --num-kv-blocks"
+        )
+    if args.tensor_parallel_size != 1:
+        parser.error(
+            "--tensor-parallel-size > 1 runs in the simulator only "
+            "(python -m experiments.run executor=simulated hardware.tensor_parallel_size=2)"
+        )
 
     import uvicorn
 
@@ -60,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     enable_compilation_cache(args.compilation_cache_dir or None)
 
     llm = LLM(
-        args.model,
+        model,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         seed=args.seed,
@@ -71,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
     )
     if not args.enforce_eager:
         # As vLLM captures its CUDA graphs: every later call runs on a compiled shape at once
@@ -79,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         llm.engine.executor.precompile_covers(progress=True)
     app = create_app(
         llm,
-        served_model_name=args.served_model_name or args.model,
+        served_model_name=args.served_model_name or model,
         max_waiting=args.max_waiting,
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,

@@ -305,6 +305,46 @@ def create_app(
         messages = protocol.chat_messages(body, engine, prompt_byte_limit)
         return await generate(request, body, await render_chat(messages), None, chat=True)
 
+    async def tokenizer_body(request: Request) -> dict:
+        body = protocol.parse_json_body(await _read_body(request, max_body_bytes))
+        if body.get("model", served_model_name) != served_model_name:
+            raise APIError(400, f"this server serves {served_model_name!r}", code="model_not_found")
+        if engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        return body
+
+    @app.post("/tokenize")
+    async def tokenize_endpoint(request: Request) -> dict:
+        """vLLM's /tokenize: a ``prompt`` string, or chat ``messages`` rendered by the
+        template -> ``{"count", "max_model_len", "tokens"}``."""
+        body = await tokenizer_body(request)
+        if "messages" in body:
+            ids = await render_chat(protocol.chat_messages(body, engine, prompt_byte_limit))
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise APIError(400, "'prompt' must be a string (or send 'messages')")
+            protocol.check_prompt_bytes(engine, len(prompt.encode("utf-8")), prompt_byte_limit)
+            ids = await tokenize(prompt)
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize_endpoint(request: Request) -> dict:
+        """vLLM's /detokenize: ``tokens`` (ids in the vocabulary) -> ``{"prompt": text}``."""
+        body = await tokenizer_body(request)
+        tokens = body.get("tokens")
+        vocab = engine.model_config.vocab_size
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens
+        ):
+            raise APIError(400, f"'tokens' must be a list of token ids in [0, {vocab})")
+        if len(tokens) > 4 * engine.max_model_len:
+            raise APIError(
+                400, f"'tokens' has {len(tokens)} ids; at most {4 * engine.max_model_len}"
+            )
+        text = await asyncio.to_thread(engine.tokenizer.decode, tokens, False)
+        return {"prompt": text}
+
     @app.get("/v1/models")
     async def models() -> dict:
         entry = {

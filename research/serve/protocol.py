@@ -136,7 +136,7 @@ def max_prompt_bytes(engine: Engine) -> int:
     return engine.max_model_len * 4 * max((len(token) for token in vocab), default=1)
 
 
-def _check_prompt_bytes(engine: Engine, num_bytes: int, limit: int) -> None:
+def check_prompt_bytes(engine: Engine, num_bytes: int, limit: int) -> None:
     if num_bytes > limit:
         raise APIError(
             400,
@@ -156,7 +156,7 @@ def completion_prompt(body: dict, engine: Engine, byte_limit: int) -> list[int] 
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids")
         if not prompt:
             raise APIError(400, "prompt is empty")
-        _check_prompt_bytes(engine, len(prompt.encode("utf-8")), byte_limit)
+        check_prompt_bytes(engine, len(prompt.encode("utf-8")), byte_limit)
         return prompt
     if isinstance(prompt, list):
         if len(prompt) >= engine.max_model_len:
@@ -194,7 +194,7 @@ def chat_messages(body: dict, engine: Engine, byte_limit: int) -> list[dict]:
         num_bytes += len(m["role"].encode("utf-8")) + len(m["content"].encode("utf-8"))
     if engine.tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so chat is unavailable")
-    _check_prompt_bytes(engine, num_bytes, byte_limit)
+    check_prompt_bytes(engine, num_bytes, byte_limit)
     return checked
 
 
