@@ -7,7 +7,7 @@ transformers) happen on first use, so host-side modules such as the scheduler st
 
 from typing import Any
 
-__all__ = ["LLM", "ModelConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "ModelConfig", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -15,7 +15,7 @@ def __getattr__(name: str) -> Any:
         from research.llm import LLM
 
         return LLM
-    if name in ("SamplingParams", "RequestOutput"):
+    if name in ("SamplingParams", "RequestOutput", "CompletionOutput"):
         from research.engine import request
 
         return getattr(request, name)

@@ -166,3 +166,15 @@ def test_isolation_nan_pool_matches_clean_run(smollm2_llm, stream):
     ties = _count_ties(clean, poisoned)
     print(f"\nisolation: {len(prompts)} requests in a NaN-poisoned pool, {ties} near-ties")
     assert [len(o.token_ids) for o in poisoned] == [sp.max_tokens for sp in sps]
+
+
+def test_a_vllm_users_snippet_runs_unchanged(smollm2_llm):
+    """``LLM(model=...).generate(prompts, SamplingParams(...))[0].outputs[0].text``."""
+    from research import CompletionOutput, SamplingParams
+
+    sp = SamplingParams(max_tokens=8, temperature=0.0)
+    out = smollm2_llm.generate(["The capital of France is"], sp)[0]
+    (completion,) = out.outputs
+    assert isinstance(completion, CompletionOutput) and completion.index == 0
+    assert completion.text == out.text and "Paris" in completion.text
+    assert completion.token_ids == out.token_ids and completion.finish_reason == out.finish_reason

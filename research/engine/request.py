@@ -137,8 +137,27 @@ class RequestMetrics:
 
 
 @dataclass
+class CompletionOutput:
+    """One completion of a prompt, as vLLM's ``CompletionOutput`` (this engine makes one per
+    prompt: ``n=1``)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: None = None  # not computed by this engine
+
+    @property
+    def cumulative_logprob(self) -> None:
+        return None
+
+
+@dataclass
 class RequestOutput:
-    """The result of one prompt: generated text and ids, why it stopped, and its timings."""
+    """The result of one prompt: generated text and ids, why it stopped, and its timings.
+    ``outputs[0]`` is the vLLM view of the same completion; ``text``, ``token_ids``,
+    ``finish_reason`` and ``stop_reason`` are kept on the request too, as a convenience."""
 
     request_id: str
     prompt: str | None
@@ -157,3 +176,10 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's shape: ``out.outputs[0].text``."""
+        return [
+            CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.stop_reason)
+        ]
