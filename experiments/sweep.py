@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import time
 from collections.abc import Iterator
@@ -28,6 +29,8 @@ from research.bench.provenance import provenance, write_csv
 from research.bench.report import append_result, format_table, result_point
 from research.config import RunConfig
 from research.tracking import Tracker
+
+log = logging.getLogger(__name__)
 
 TABLE_COLUMNS = (
     "label",
@@ -159,7 +162,7 @@ class EngineBackend:
         )
         n = self.engine.executor.precompile(shapes)
         if n:
-            print(
+            log.info(
                 f"  compiled {n} of the point's {len(shapes)} step shapes before timing it "
                 f"({time.perf_counter() - t0:.1f} s)"
             )
@@ -420,7 +423,7 @@ def _band_executor(run: RunConfig, backend: Backend) -> Any:
         raise ValueError("experiment.prediction_band needs executor=simulated")
     if run.hardware.num_replicas > 1 or math.isfinite(run.workload.request_rate):
         # Re-pricing needs step plans that do not depend on the clock: one box, closed loop.
-        print("  (no prediction band: it is drawn for a closed loop on one box)")
+        log.info("  (no prediction band: it is drawn for a closed loop on one box)")
         return None
     return backend.engine.executor
 
@@ -503,12 +506,12 @@ def run_experiment(
             model_run = dataclasses.replace(run, model=dataclasses.replace(run.model, model=model))
             t0 = time.perf_counter()
             backend = make_backend(model_run)
-            print(
+            log.info(
                 f"[{run.experiment.name}] {backend.label}: loaded in {time.perf_counter() - t0:.1f} s"
             )
             capacity = kv_capacity_line(model_run, backend)
             if capacity:
-                print(f"  {capacity}")
+                log.info(f"  {capacity}")
             for c in run.experiment.concurrencies:
                 t = time.perf_counter()
                 point = run_point(model_run, backend, c, progress)
@@ -516,21 +519,20 @@ def run_experiment(
                 append_result(results, point)
                 tracker.log_point(point)
                 points.append(point)
-                print(
+                log.info(
                     f"  concurrency {c:>4}: {point['output_throughput']:8.1f} output tok/s, "
                     f"{_fmt(point.get('per_user_tok_s'))} tok/s per user, median TTFT "
                     f"{point['median_ttft_ms']:.0f} ms ({time.perf_counter() - t:.1f} s)"
                 )
                 if point.get("num_preemptions"):
-                    print(
+                    log.info(
                         f"    {point['num_preemptions']} preemptions: concurrency {c} needs more "
                         "KV cache than the pool holds (requests were recomputed, none lost)"
                     )
         table = format_table(points, TABLE_COLUMNS)
         (out_dir / "table.md").write_text(table + "\n")
         write_csv(points, out_dir / "results.csv")
-        print()
-        print(table)
+        log.info("\n%s", table)
         if run.tracking.plots:
             from research.bench.plots import plot_all
 
@@ -540,15 +542,15 @@ def run_experiment(
 
                 paths.append(plot_prediction_bands(points, out_dir / "prediction_bands.png"))
             tracker.log_plots(paths)
-            print("plots:", ", ".join(str(p) for p in paths))
+            log.info("plots: %s", ", ".join(str(p) for p in paths))
         tracker.log_files([results, out_dir / "results.csv", out_dir / "table.md", *paths])
     finally:
         tracker.finish()
-    print(f"results: {results}")
+    log.info(f"results: {results}")
     if tracker.run_dir is not None:
-        print(f"W&B ({run.tracking.wandb_mode}) run: {tracker.run_dir}")
+        log.info(f"W&B ({run.tracking.wandb_mode}) run: {tracker.run_dir}")
     if sync := tracker.sync_command():
-        print(f"upload it with: {sync}")
+        log.info(f"upload it with: {sync}")
     return points
 
 

@@ -17,6 +17,7 @@ what else the machine is doing, and are printed, never asserted.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import statistics
 import time
 from pathlib import Path
@@ -24,6 +25,8 @@ from typing import Any
 
 from research.bench.report import append_result
 from research.config import RunConfig
+
+log = logging.getLogger(__name__)
 
 METRICS = ("per_user_tok_s", "output_throughput", "median_ttft_ms")
 
@@ -93,7 +96,7 @@ def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
     long_prompt = min(4 * w.input_len, real.llm.engine.max_model_len - w.output_len)
     if long_prompt <= w.input_len:
         raise ValueError(f"max_model_len {real.llm.engine.max_model_len} leaves no longer prompt")
-    print(
+    log.info(
         f"[validate_host] {real.label}: single-stream runs (prompts {w.input_len}, {long_prompt})"
     )
     runs = {n: _single_stream(run, real, n) for n in (w.input_len, long_prompt)}
@@ -114,7 +117,7 @@ def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
         quantization=run.quantization.quantization,
         dtype=run.model.dtype,
     )
-    print(f"  {describe_fit(measured, model)}")
+    log.info(f"  {describe_fit(measured, model)}")
     cache = dataclasses.replace(engine.cache_config, num_kv_blocks=engine.block_manager.num_blocks)
     sim_engine = simulated_engine(model, cache, engine.scheduler_config, engine.max_model_len)
     sim = SimulatedBackend(sim_engine, real, f"host-model {run.model.model}")
@@ -128,7 +131,7 @@ def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
             append_result(results, point)
         errors = {m: 100.0 * (predicted[m] - got[m]) / got[m] for m in METRICS}
         rows.append({"concurrency": c, "measured": got, "predicted": predicted, "error": errors})
-        print(
+        log.info(
             f"  concurrency {c:>3}: per-user {predicted['per_user_tok_s']:6.1f} predicted, "
             f"{got['per_user_tok_s']:6.1f} measured ({errors['per_user_tok_s']:+.0f}%) "
             f"[{time.perf_counter() - t:.0f} s]"
@@ -136,9 +139,8 @@ def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
     table = describe_fit(measured, model) + "\n\n" + format_validation(rows)
     (out_dir / "validate_host.md").write_text(table + "\n")
     write_csv([r[k] for k in ("measured", "predicted") for r in rows], out_dir / "results.csv")
-    print()
-    print(table)
-    print(f"results: {results} ({time.perf_counter() - t0:.0f} s)")
+    log.info("\n%s", table)
+    log.info(f"results: {results} ({time.perf_counter() - t0:.0f} s)")
     return [r["measured"] for r in rows] + [r["predicted"] for r in rows]
 
 

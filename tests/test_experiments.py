@@ -116,6 +116,9 @@ def test_sweep_writes_results_plots_and_offline_wandb(tmp_path):
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), "no offline W&B run file"
     assert f"upload it with: wandb sync {runs[0]}" in proc.stdout
+    # progress goes through logging: Hydra's run.log keeps it, with timestamps
+    log = (tmp_path / "hydra" / "run.log").read_text()
+    assert "KV cache: " in log and "concurrency    4:" in log and "][INFO] - " in log
     config = json.loads((out / "run_config.json").read_text())
     assert config["model"]["model"] == "tiny-llama"
     assert "| ours tiny-llama | 4 |" in proc.stdout

@@ -78,28 +78,29 @@ def test_reproduce_spark_notebook_runs_the_simulated_sweep(tmp_path, monkeypatch
     assert len([o for o in outputs if "image/png" in o.get("data", {})]) == 3
 
 
+def _run_figures_notebook(cwd: Path) -> list:
+    """Execute figures.ipynb in ``cwd``; the outputs of its code cells."""
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    client = NotebookClient(
+        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
+    )
+    client.execute()
+    return [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
+
+
 def test_figures_notebook_with_no_settings_reads_the_newest_run_and_writes_outside(
     tmp_path, monkeypatch
 ):
     monkeypatch.delenv("RESULTS_PATH", raising=False)
     monkeypatch.delenv("FIGURES_DIR", raising=False)
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    client = NotebookClient(
-        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
-    )
     with pytest.raises(Exception, match="RESULTS_PATH"):  # nothing to read: says what to set
-        client.execute()
+        _run_figures_notebook(tmp_path)
 
     for stamp, concurrencies in (("09-00-00", (1,)), ("10-00-00", (1, 8, 32))):
         results = tmp_path / "outputs" / "2026-01-01" / stamp / "results.jsonl"
         for concurrency in concurrencies:
             append_result(results, _point(concurrency))
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    client = NotebookClient(
-        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
-    )
-    client.execute()
-    outputs = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
+    outputs = _run_figures_notebook(tmp_path)
     assert not [out for out in outputs if out.output_type == "error"]
     tables = [o["data"]["text/markdown"] for o in outputs if "text/markdown" in o.get("data", {})]
     assert "| tiny-llama | 32 |" in tables[0]  # the newer run
