@@ -278,7 +278,7 @@ class HTTPBackend:
             raise ValueError(f"{e.base_url} serves {sorted(models)}, not {run.model.model!r}")
         self.base_url, self.api_key = e.base_url, e.api_key
         self.model_id = run.model.model
-        self.label = f"http {run.model.model}"
+        self.label = f"{e.label or 'http'} {run.model.model}"
         self.vocab_size = int(models[run.model.model].get("vocab_size", 32000))
         self.special_ids: tuple[int, ...] = ()
         self.workload = run.workload

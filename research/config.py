@@ -198,6 +198,7 @@ class ExecutorConfig:
     attention_backend: str = "xla"  # xla | pallas | pallas_interpret
     base_url: str | None = None  # http: e.g. http://127.0.0.1:8000 (without /v1)
     api_key: str | None = None  # http: sent as "Authorization: Bearer <api_key>"
+    label: str | None = None  # http: names the server's line (e.g. llama-server, vllm)
     # real: compile every step shape a point will use before timing it (vLLM's graph capture);
     # true runs each point's shapes eagerly (compiled inside the point, as they come).
     enforce_eager: bool = False

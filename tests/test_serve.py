@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import openai
@@ -317,3 +318,43 @@ def test_serve_cli_takes_the_model_positionally_and_says_what_vllm_flags_mean_he
     with pytest.raises(SystemExit):
         main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_a_peer_server_and_ours_in_one_comparison(server, tmp_path, capsys):
+    """The peers recipe end to end, with our own server standing in for llama-server / vLLM:
+    an executor=http sweep labelled by its server, next to a second run, in one
+    experiments.compare figure and summary.csv."""
+    import csv
+
+    from hydra import compose, initialize_config_dir
+
+    from experiments.compare import main as compare
+    from experiments.sweep import run_experiment
+    from research.config import register_configs, run_config_from
+
+    register_configs()
+    dirs = []
+    for label in ("llama-server", "vllm"):
+        overrides = [
+            "executor=http",
+            f"executor.base_url={server}",
+            f"executor.label={label}",
+            f"model.model={MODEL}",
+            "experiment.concurrencies=[1,4]",
+            "experiment.prompts_per_concurrency=1",
+            "experiment.warmup=false",
+            "workload.input_len=16",
+            "workload.output_len=8",
+            "tracking=disabled",
+        ]
+        configs = str(Path(__file__).resolve().parents[1] / "configs")
+        with initialize_config_dir(config_dir=configs, version_base=None):
+            run = run_config_from(compose(config_name="config", overrides=overrides))
+        points = run_experiment(run, tmp_path / label, progress=False)
+        assert [p["completed"] for p in points] == [1, 4] and all(p["failed"] == 0 for p in points)
+        dirs.append(str(tmp_path / label))
+    compare([*dirs, "--metrics", "output_throughput", "--out", str(tmp_path / "cmp")])
+    with (tmp_path / "cmp" / "summary.csv").open() as f:
+        labels = [row["label"] for row in csv.DictReader(f)]
+    assert labels == [f"llama-server {MODEL}"] * 2 + [f"vllm {MODEL}"] * 2
+    assert (tmp_path / "cmp" / "output_throughput.pdf").exists()
