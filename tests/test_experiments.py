@@ -299,3 +299,37 @@ def test_compare_groups_by_factors_and_vllm_files_by_model(tmp_path, capsys):
         ("org/b", "1"),
         ("org/b", "8"),
     ]
+
+
+def test_a_multirun_ends_with_its_comparison(tmp_path):
+    """One command from a -m sweep to a labelled comparison figure and summary.csv (the Hydra
+    callback runs experiments.compare on the sweep folder)."""
+    import csv
+
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.run",
+        "-m",
+        "experiment=reproduce_spark",
+        "model=llama_3_3_70b",
+        "experiment.concurrencies=[1,8]",
+        "experiment.prediction_band=false",
+        "cache.block_size=16,32",
+        "tracking=disabled",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with (sweep / "comparison" / "summary.csv").open() as f:
+        labels = [row["label"] for row in csv.DictReader(f)]
+    assert labels == [
+        "simulated-gb10 llama-3.3-70b awq block_size=16",
+        "simulated-gb10 llama-3.3-70b awq block_size=16",
+        "simulated-gb10 llama-3.3-70b awq block_size=32",
+        "simulated-gb10 llama-3.3-70b awq block_size=32",
+    ]
+    for suffix in (".png", ".pdf", ".svg"):
+        assert (sweep / "comparison" / f"output_throughput{suffix}").exists()

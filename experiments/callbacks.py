@@ -1,0 +1,42 @@
+"""Hydra callbacks of the experiments app.
+
+``CompareOnMultirunEnd`` ends a multirun (``python -m experiments.run -m ...``) with its
+comparison: every job's results.jsonl on one figure per metric, lines labelled by the factors
+that differ between jobs, plus summary.csv, in ``<sweep dir>/comparison`` (``experiments.compare``
+on the sweep folder).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
+
+
+class CompareOnMultirunEnd(Callback):
+    def __init__(self, metrics: list[str] | None = None, group_by: str | None = None) -> None:
+        self.metrics = list(metrics) if metrics else None
+        self.group_by = group_by
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from experiments.compare import main as compare
+
+        sweep = Path(config.hydra.sweep.dir)
+        if len(list(sweep.rglob("results.jsonl"))) < 2:
+            return  # one job (or none finished): nothing to compare
+        argv = [str(sweep), "--out", str(sweep / "comparison")]
+        if self.metrics:
+            argv += ["--metrics", *self.metrics]
+        if self.group_by:
+            argv += ["--group-by", self.group_by]
+        try:
+            compare(argv)
+        except SystemExit as exit_:  # compare's own argument errors: say so, keep the results
+            log.warning("the multirun's comparison failed (%s); results are in %s", exit_, sweep)
+            return
+        log.info("comparison of the multirun: %s", sweep / "comparison")
