@@ -501,6 +501,7 @@ def run_experiment(
     )
     paths: list[Any] = []
     points = []
+    total = len(models) * len(run.experiment.concurrencies)
     try:
         for model in models:
             model_run = dataclasses.replace(run, model=dataclasses.replace(run.model, model=model))
@@ -520,7 +521,8 @@ def run_experiment(
                 tracker.log_point(point)
                 points.append(point)
                 log.info(
-                    f"  concurrency {c:>4}: {point['output_throughput']:8.1f} output tok/s, "
+                    f"  [{len(points)}/{total}] concurrency {c:>4}: "
+                    f"{point['output_throughput']:8.1f} output tok/s, "
                     f"{_fmt(point.get('per_user_tok_s'))} tok/s per user, median TTFT "
                     f"{point['median_ttft_ms']:.0f} ms ({time.perf_counter() - t:.1f} s)"
                 )

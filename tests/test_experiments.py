@@ -118,7 +118,7 @@ def test_sweep_writes_results_plots_and_offline_wandb(tmp_path):
     assert f"upload it with: wandb sync {runs[0]}" in proc.stdout
     # progress goes through logging: Hydra's run.log keeps it, with timestamps
     log = (tmp_path / "hydra" / "run.log").read_text()
-    assert "KV cache: " in log and "concurrency    4:" in log and "][INFO] - " in log
+    assert "KV cache: " in log and "[2/2] concurrency    4:" in log and "][INFO] - " in log
     config = json.loads((out / "run_config.json").read_text())
     assert config["model"]["model"] == "tiny-llama"
     assert "| ours tiny-llama | 4 |" in proc.stdout
@@ -333,3 +333,29 @@ def test_a_multirun_ends_with_its_comparison(tmp_path):
     ]
     for suffix in (".png", ".pdf", ".svg"):
         assert (sweep / "comparison" / f"output_throughput{suffix}").exists()
+
+
+def test_preemptions_are_said(tmp_path, caplog):
+    """Concurrency beyond the pool preempts, and the sweep says how often (it was silent)."""
+    import logging
+
+    from experiments.sweep import run_experiment
+
+    run = _compose(
+        [
+            "model=tiny_llama",
+            "experiment.concurrencies=[8]",
+            "experiment.prompts_per_concurrency=1",
+            "experiment.warmup=false",
+            "workload.input_len=40",
+            "workload.output_len=24",
+            "cache.num_kv_blocks=12",
+            "tracking=disabled",
+        ]
+    )
+    with caplog.at_level(logging.INFO, logger="experiments.sweep"):
+        (point,) = run_experiment(run, tmp_path / "run", progress=False)
+    assert point["num_preemptions"] > 0 and point["failed"] == 0
+    said = f"{point['num_preemptions']} preemptions: concurrency 8 needs more KV cache"
+    assert said in caplog.text
+    assert "maximum concurrency for 64-token requests: 3.0x" in caplog.text
