@@ -7,6 +7,7 @@ steps until all are done; outputs come back in prompt order.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -15,12 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from research.config import CacheConfig, SchedulerConfig
-from research.engine.engine import Engine
+from research.engine.engine import Engine, kv_cache_summary
 from research.engine.kv_cache import kv_pool_bytes_per_block
 from research.engine.request import RequestOutput, SamplingParams, check_bool, check_int, check_real
 from research.models.load import load_model
 from research.quant import QUANTIZATIONS, quantize_params
 from research.quant.kv import KV_DTYPES
+
+logger = logging.getLogger(__name__)
 
 PromptType = str | Sequence[int] | dict[str, Any]
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -182,6 +185,8 @@ class LLM:
             poison_freed_blocks=poison_freed_blocks,
             **(dict(executor=sim, clock=sim.clock) if sim is not None else {}),
         )
+        bm = self.engine.block_manager
+        logger.info(kv_cache_summary(bm.num_blocks, bm.block_size, self.max_model_len))
 
     # ------------------------------------------------------------------ public API
 

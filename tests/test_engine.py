@@ -208,3 +208,16 @@ def test_narrow_kv_pages_are_written_in_place_and_never_read_unwritten(model, kv
     out = tight.generate(PROMPTS, [GREEDY] * len(PROMPTS))
     assert tight.stats()["num_preemptions"] > 0
     assert [o.token_ids for o in out] == [o.token_ids for o in reference]
+
+
+def test_llm_logs_its_kv_pool_at_start(caplog):
+    """vLLM's start-up line: KV blocks and the maximum concurrency at max_model_len."""
+    import logging
+
+    from research import LLM
+
+    with caplog.at_level(logging.INFO, logger="research.llm"):
+        LLM("tiny-llama", max_model_len=128, block_size=4, num_kv_blocks=64)
+    # 64 blocks of 4 tokens; a 128-token request needs 32 of them
+    assert "# KV cache blocks: 64 (256 tokens of 4)" in caplog.text
+    assert "maximum concurrency for 128 tokens per request: 2.00x" in caplog.text

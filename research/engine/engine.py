@@ -32,6 +32,17 @@ from research.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
+def kv_cache_summary(num_blocks: int, block_size: int, max_model_len: int) -> str:
+    """vLLM's start-up line: the pool in blocks and tokens, and how many max_model_len-token
+    requests it holds at once."""
+    per_request = -(-max_model_len // block_size)
+    return (
+        f"# KV cache blocks: {num_blocks} ({num_blocks * block_size} tokens of {block_size}); "
+        f"maximum concurrency for {max_model_len} tokens per request: "
+        f"{num_blocks / per_request:.2f}x"
+    )
+
+
 class Engine:
     def __init__(
         self,

@@ -80,7 +80,12 @@ def main(argv: list[str] | None = None) -> None:
             "(python -m experiments.run executor=simulated hardware.tensor_parallel_size=2)"
         )
 
+    import logging
+
     import uvicorn
+
+    # The engine's start-up lines (KV blocks, maximum concurrency), as vLLM prints them.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     from research.engine.compile_cache import enable_compilation_cache
     from research.llm import LLM
