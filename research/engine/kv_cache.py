@@ -207,12 +207,14 @@ def write_kv(
     dropped. Jit with the pool donated."""
     slots = slot_mapping.reshape(-1)
 
-    def write(pages: jax.Array, new: jax.Array) -> jax.Array:  # pages [K, B, P, ...]
+    def write(pages: jax.Array, new: jax.Array, is_page: bool = True) -> jax.Array:
+        """Scatter into pages [K, B, P, ...] (``is_page``: K/V codes, kept as the pool stores
+        them; otherwise float32 scales)."""
         kvh, n, p = pages.shape[:3]
         flat = pages.reshape(kvh, n * p, *pages.shape[3:])
-        if pages.dtype != new.dtype:
-            new = pool.stored(new.astype(pool.page_dtype or pages.dtype))
-        new = jnp.moveaxis(new, 1, 0)  # [K, N, ...]
+        if is_page and pool.page_dtype:
+            new = pool.stored(new.astype(pool.page_dtype))
+        new = jnp.moveaxis(new.astype(pages.dtype), 1, 0)  # [K, N, ...]
         return flat.at[:, slots].set(new, mode="drop").reshape(pages.shape)
 
     if not pool.quantized:
@@ -225,7 +227,7 @@ def write_kv(
         for pages, scales, new in zip(pages_list, scales_list, news, strict=True):
             codes, new_scales = quantize_kv(new, pool.kv_dtype)  # [N, K, E'], [N, K]
             out[which].append(write(pages, codes))
-            out[f"{which}_scales"].append(write(scales, new_scales))
+            out[f"{which}_scales"].append(write(scales, new_scales, is_page=False))
     return dataclasses.replace(pool, **out)
 
 
