@@ -1,9 +1,10 @@
 """Single-sequence speed of SmolLM2-135M on CPU, ours against HF transformers in the same run.
 
     python -m experiments.bench_decode [--prompt-len 128] [--gen-len 128] [--repeats 3]
+                                       [--dtype float32|bfloat16]
 
-Prints prefill time and decode tok/s for each engine and their ratio. Both run float32 on the
-same dequantized GGUF weights, greedy, with EOS ignored so each generates exactly --gen-len.
+Prints prefill time and decode tok/s for each engine and their ratio. Both run in ``--dtype`` on
+the same dequantized GGUF weights, greedy, with EOS ignored so each generates exactly --gen-len.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import statistics
 import time
 
 
-def _ours(prompt: list[int], gen_len: int, repeats: int) -> tuple[float, float]:
+def _ours(prompt: list[int], gen_len: int, repeats: int, dtype: str) -> tuple[float, float]:
     from research import LLM, SamplingParams
 
-    llm = LLM("smollm2-135m", max_model_len=2048)
+    # No prefix caching: the repeats send the same prompt, and a cached prefix is no prefill.
+    llm = LLM("smollm2-135m", max_model_len=2048, dtype=dtype, enable_prefix_caching=False)
     sp = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
     llm.generate([prompt], sp)  # compile
     ttfts, rates = [], []
@@ -27,16 +29,12 @@ def _ours(prompt: list[int], gen_len: int, repeats: int) -> tuple[float, float]:
     return statistics.median(ttfts), statistics.median(rates)
 
 
-def _hf(prompt: list[int], gen_len: int, repeats: int) -> tuple[float, float]:
+def _hf(prompt: list[int], gen_len: int, repeats: int, dtype: str) -> tuple[float, float]:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from research.models.weights import smollm2_gguf_path
+    from research.bench.hf_peer import load_hf_model
 
-    path = smollm2_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    model, _ = load_hf_model("smollm2-135m", dtype)
     ids = torch.tensor([prompt])
     ttfts, rates = [], []
     with torch.no_grad():
@@ -60,16 +58,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gen-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args(argv)
 
     import numpy as np
 
     prompt = np.random.RandomState(0).randint(3, 49152, size=args.prompt_len).tolist()
-    rows = [("ours (JAX, jit)", *_ours(prompt, args.gen_len, args.repeats))]
+    rows = [("ours (JAX, jit)", *_ours(prompt, args.gen_len, args.repeats, args.dtype))]
     if not args.skip_hf:
-        rows.append(("HF transformers (torch)", *_hf(prompt, args.gen_len, args.repeats)))
+        hf = _hf(prompt, args.gen_len, args.repeats, args.dtype)
+        rows.append(("HF transformers (torch)", *hf))
     print(
-        f"SmolLM2-135M float32, CPU, {args.prompt_len} prompt / {args.gen_len} generated, "
+        f"SmolLM2-135M {args.dtype}, CPU, {args.prompt_len} prompt / {args.gen_len} generated, "
         f"one sequence, median of {args.repeats}"
     )
     print(f"{'engine':<26}{'prefill ms':>12}{'decode tok/s':>14}")
