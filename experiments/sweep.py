@@ -9,7 +9,7 @@ plots are drawn at the end.
 
 Backends: ``real`` (this project's engine), ``hf`` (HF transformers ``generate`` in static
 batches, the peer), ``simulated`` (a cost model of a named machine), ``http`` (an OpenAI-compatible
-server, ours or vLLM, over the network).
+server, ours or vLLM, over the network): ``experiments.backends``.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from research.bench import BenchmarkResult, BenchRequest, random_requests, run_benchmark
+from experiments.backends import Backend, make_backend
+from research.bench import BenchRequest, random_requests
 from research.bench.provenance import provenance, write_csv
 from research.bench.report import append_result, format_table, result_point
 from research.config import RunConfig
@@ -45,278 +45,6 @@ TABLE_COLUMNS = (
     "host_overhead_fraction",
     "new_compilations",
 )
-
-
-class Backend(Protocol):
-    model_id: str
-    label: str
-    vocab_size: int
-    special_ids: tuple[int, ...]
-
-    def run(
-        self, requests: list[BenchRequest], max_concurrency: int | None, progress: bool
-    ) -> BenchmarkResult: ...
-
-    def stats(self) -> dict[str, Any]: ...
-
-
-class EngineBackend:
-    """This project's engine (``LLM``) on this machine."""
-
-    def __init__(self, run: RunConfig):
-        from research.llm import LLM
-
-        m, q, s, c = run.model, run.quantization, run.scheduler, run.cache
-        self.simulated = run.executor.kind == "simulated"
-        sim = {}
-        if self.simulated:
-            sim = dict(
-                executor="simulated",
-                hardware=run.hardware.name,
-                gpu_memory_utilization=run.hardware.gpu_memory_utilization,
-                tensor_parallel_size=run.hardware.tensor_parallel_size,
-                cost_model_options={"moe_routing": run.hardware.moe_routing},
-            )
-        elif run.hardware.tensor_parallel_size > 1 or run.hardware.num_replicas > 1:
-            raise ValueError("several boxes (TP or replicas) are modelled by executor=simulated")
-        else:
-            from research.engine.compile_cache import enable_compilation_cache
-
-            enable_compilation_cache(run.executor.compilation_cache_dir)
-
-        def make_llm() -> LLM:
-            return LLM(
-                m.model,
-                **sim,
-                dtype=m.dtype,
-                max_model_len=m.max_model_len,
-                seed=m.seed,
-                quantization=q.quantization,
-                kv_cache_dtype=q.kv_cache_dtype,
-                attention_backend=run.executor.attention_backend,
-                max_num_seqs=s.max_num_seqs,
-                max_num_batched_tokens=s.max_num_batched_tokens,
-                scheduling_policy=s.scheduling_policy,
-                enable_chunked_prefill=s.enable_chunked_prefill,
-                block_size=c.block_size,
-                num_kv_blocks=c.num_kv_blocks,
-                kv_cache_memory_bytes=c.kv_cache_memory_bytes,
-                enable_prefix_caching=c.enable_prefix_caching,
-            )
-
-        self.llm = make_llm()
-        self.engine = self.llm.engine
-        if self.simulated and run.hardware.num_replicas > 1:
-            from research.perf.simulated import ReplicaRouter
-
-            engines = [self.engine] + [
-                make_llm().engine for _ in range(run.hardware.num_replicas - 1)
-            ]
-            self.engine = ReplicaRouter(engines, seed=run.workload.seed)
-        cfg = self.llm.model_config
-        self.model_id = m.model
-        engine_name = f"simulated-{run.hardware.name}" if self.simulated else "ours"
-        if run.hardware.tensor_parallel_size > 1:
-            engine_name += f"-tp{run.hardware.tensor_parallel_size}"
-        if run.hardware.num_replicas > 1:
-            engine_name += f"-x{run.hardware.num_replicas}"
-        self.label = " ".join([engine_name, m.model, *([q.quantization] if q.quantization else [])])
-        self.vocab_size = cfg.vocab_size
-        tokenizer = self.llm.tokenizer
-        special = set(cfg.eos_token_ids)
-        if tokenizer is not None:
-            special |= set(tokenizer.all_special_ids)
-        self.special_ids = tuple(sorted(special))
-        self.run_config = run
-
-    def run(
-        self, requests: list[BenchRequest], max_concurrency: int | None, progress: bool
-    ) -> BenchmarkResult:
-        return run_benchmark(
-            self.engine,
-            requests,
-            max_concurrency=max_concurrency,
-            **self._load(),
-            progress=progress,
-            # A simulated executor's virtual clock stamps the engine; waiting advances it.
-            clock=self.engine.clock,
-            sleep=self._sleep,
-        )
-
-    def _load(self) -> dict[str, Any]:
-        """The workload's arrival process, as ``run_benchmark`` takes it."""
-        w = self.run_config.workload
-        return dict(request_rate=w.request_rate, burstiness=w.burstiness, seed=w.seed)
-
-    def precompile(self, requests: list[BenchRequest], concurrency: int) -> int:
-        """Compile the step shapes serving ``requests`` will use (predicted by a shadow run of
-        the scheduler, ``research.engine.shapes``) so that none compiles inside the timed point;
-        returns how many were compiled."""
-        if self.simulated or self.run_config.executor.enforce_eager:
-            return 0
-        from research.engine.shapes import predict_step_shapes
-
-        t0 = time.perf_counter()
-        shapes = predict_step_shapes(
-            self.engine, requests, max_concurrency=concurrency, **self._load()
-        )
-        n = self.engine.executor.precompile(shapes)
-        if n:
-            log.info(
-                f"  compiled {n} of the point's {len(shapes)} step shapes before timing it "
-                f"({time.perf_counter() - t0:.1f} s)"
-            )
-        return n
-
-    @contextlib.contextmanager
-    def recording_steps(self) -> Iterator[list[Any]]:
-        """Yields a list that collects the ``StepShape`` of every step run inside the block."""
-        log: list[Any] = []
-        if self.simulated:
-            yield log
-            return
-        from research.perf.cost_model import step_shape_from_plan
-
-        executor = self.engine.executor
-        execute = executor.execute
-
-        def recorded(plan: Any) -> Any:
-            log.append(step_shape_from_plan(plan))
-            return execute(plan)
-
-        executor.execute = recorded
-        try:
-            yield log
-        finally:
-            del executor.execute
-
-    def roofline(self, shapes: list[Any], seconds: float) -> dict[str, float]:
-        """The point's achieved FLOP/s and bytes/s against this machine's measured peaks
-        (``research.perf.host_peaks``): the work of the padded calls the executor ran, counted
-        by ``research.perf.host_model``, over the steps' wall time. Empty for a model the cost
-        model cannot size (a checkpoint path)."""
-        from research.perf.host_model import HostCostModel, host_hardware, roofline
-        from research.perf.host_peaks import device_peaks
-
-        run = self.run_config
-        if (peaks := device_peaks(run.model.dtype)) is None:
-            return {}
-        try:
-            model = HostCostModel(
-                run.model.model,
-                run.quantization.quantization,
-                host_hardware(peaks["bandwidth"], peaks["flops"]),
-                max_num_seqs=run.scheduler.max_num_seqs,
-                max_num_batched_tokens=run.scheduler.max_num_batched_tokens,
-                max_model_len=self.engine.max_model_len,
-                block_size=run.cache.block_size,
-                dtype=run.model.dtype,
-            )
-        except ValueError:
-            return {}
-        return roofline(model, shapes, seconds, peaks)
-
-    def _sleep(self, seconds: float) -> None:
-        if not self.simulated:
-            time.sleep(seconds)
-        elif hasattr(self.engine, "sleep"):  # a router of replicas
-            self.engine.sleep(seconds)
-        else:
-            self.engine.executor.clock.sleep(seconds)
-
-    def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
-
-
-class HFBackend:
-    """HF transformers ``generate`` (greedy, in the run's dtype) in static batches of
-    ``max_concurrency``."""
-
-    def __init__(self, run: RunConfig):
-        from research.bench.hf_peer import load_hf_model
-
-        dtype = "float32" if run.model.dtype == "auto" else run.model.dtype
-        self.model, self.tokenizer = load_hf_model(run.model.model, dtype)
-        self.model_id = run.model.model
-        self.label = f"hf-transformers {run.model.model}"
-        self.vocab_size = int(self.model.config.vocab_size)
-        self.special_ids = tuple(sorted(self.tokenizer.all_special_ids)) if self.tokenizer else ()
-
-    def run(
-        self, requests: list[BenchRequest], max_concurrency: int | None, progress: bool
-    ) -> BenchmarkResult:
-        from research.bench.hf_peer import run_hf_benchmark
-
-        return run_hf_benchmark(
-            self.model,
-            self.tokenizer,
-            requests,
-            max_concurrency=max_concurrency or len(requests),
-            progress=progress,
-        )
-
-    def stats(self) -> dict[str, Any]:
-        return {}
-
-
-class HTTPBackend:
-    """An OpenAI-compatible server at ``run.executor.base_url`` serving ``run.model.model``,
-    driven by the streaming HTTP client. The vocabulary for random prompts is the ``vocab_size``
-    our server lists in ``/v1/models``; other servers (vLLM) list none, so 32000 is assumed."""
-
-    def __init__(self, run: RunConfig):
-        import httpx
-
-        e = run.executor
-        if e.base_url is None:
-            raise ValueError("executor=http needs executor.base_url (e.g. http://127.0.0.1:8000)")
-        headers = {"Authorization": f"Bearer {e.api_key}"} if e.api_key else {}
-        response = httpx.get(f"{e.base_url.rstrip('/')}/v1/models", headers=headers)
-        response.raise_for_status()
-        models = {m["id"]: m for m in response.json()["data"]}
-        if run.model.model not in models:
-            raise ValueError(f"{e.base_url} serves {sorted(models)}, not {run.model.model!r}")
-        self.base_url, self.api_key = e.base_url, e.api_key
-        self.model_id = run.model.model
-        self.label = f"{e.label or 'http'} {run.model.model}"
-        self.vocab_size = int(models[run.model.model].get("vocab_size", 32000))
-        self.special_ids: tuple[int, ...] = ()
-        self.workload = run.workload
-
-    def run(
-        self, requests: list[BenchRequest], max_concurrency: int | None, progress: bool
-    ) -> BenchmarkResult:
-        from research.bench.http_client import run_http_benchmark
-
-        w = self.workload
-        return run_http_benchmark(
-            self.base_url,
-            self.model_id,
-            requests,
-            max_concurrency=max_concurrency,
-            api_key=self.api_key,
-            request_rate=w.request_rate,
-            burstiness=w.burstiness,
-            seed=w.seed,
-        )
-
-    def stats(self) -> dict[str, Any]:
-        return {}
-
-
-def make_backend(run: RunConfig) -> Backend:
-    kind = run.executor.kind
-    if kind in ("real", "simulated"):
-        if kind == "simulated" and run.hardware.name == "host":
-            raise ValueError("the simulated executor models a named machine: hardware=gb10|h200")
-        return EngineBackend(run)
-    if kind == "hf":
-        if run.quantization.quantization or run.quantization.kv_cache_dtype != "auto":
-            raise ValueError("the hf peer runs the unquantized model; use quantization=none")
-        return HFBackend(run)
-    if kind == "http":
-        return HTTPBackend(run)
-    raise ValueError(f"executor kind {kind!r} is not available in this sweep")
 
 
 def _slos(run: RunConfig) -> dict[str, float] | None:
@@ -458,12 +186,11 @@ def kv_capacity_line(run: RunConfig, backend: Backend) -> str | None:
     engine = getattr(getattr(backend, "llm", None), "engine", None)
     if engine is None:
         return None
-    bm, w = engine.block_manager, run.workload
-    per_request = -(-(w.input_len + w.output_len) // bm.block_size)
+    bm, tokens = engine.block_manager, run.workload.input_len + run.workload.output_len
     return (
         f"KV cache: {bm.num_blocks} blocks x {bm.block_size} tokens = "
         f"{bm.num_blocks * bm.block_size} tokens; maximum concurrency for "
-        f"{w.input_len + w.output_len}-token requests: {bm.num_blocks / per_request:.1f}x"
+        f"{tokens}-token requests: {bm.max_concurrency(tokens):.1f}x"
     )
 
 

@@ -80,7 +80,8 @@ def _single_stream(run: RunConfig, backend: Any, prompt_len: int) -> dict:
 
 
 def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
-    from experiments.sweep import EngineBackend, fresh_results, point_seeds, run_point
+    from experiments.backends import EngineBackend
+    from experiments.sweep import fresh_results, point_seeds, run_point
     from research.bench.provenance import provenance, write_csv
     from research.perf.host_model import SingleStream, fit_host, simulated_engine
 

@@ -185,8 +185,7 @@ class LLM:
             poison_freed_blocks=poison_freed_blocks,
             **(dict(executor=sim, clock=sim.clock) if sim is not None else {}),
         )
-        bm = self.engine.block_manager
-        logger.info(kv_cache_summary(bm.num_blocks, bm.block_size, self.max_model_len))
+        logger.info(kv_cache_summary(self.engine.block_manager, self.max_model_len))
 
     # ------------------------------------------------------------------ public API
 

@@ -77,6 +77,11 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def max_concurrency(self, tokens_per_request: int) -> float:
+        """How many requests of ``tokens_per_request`` tokens the whole pool holds at once
+        (vLLM's "maximum concurrency" start-up figure)."""
+        return self.num_blocks / self.blocks_needed(tokens_per_request)
+
     # ------------------------------------------------------------------ prefix cache
 
     def _extend_hashes(self, seq: Sequence, num_full_blocks: int) -> None:

@@ -32,14 +32,13 @@ from research.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-def kv_cache_summary(num_blocks: int, block_size: int, max_model_len: int) -> str:
+def kv_cache_summary(bm: BlockManager, max_model_len: int) -> str:
     """vLLM's start-up line: the pool in blocks and tokens, and how many max_model_len-token
     requests it holds at once."""
-    per_request = -(-max_model_len // block_size)
+    n, size = bm.num_blocks, bm.block_size
     return (
-        f"# KV cache blocks: {num_blocks} ({num_blocks * block_size} tokens of {block_size}); "
-        f"maximum concurrency for {max_model_len} tokens per request: "
-        f"{num_blocks / per_request:.2f}x"
+        f"# KV cache blocks: {n} ({n * size} tokens of {size}); maximum concurrency for "
+        f"{max_model_len} tokens per request: {bm.max_concurrency(max_model_len):.2f}x"
     )
 
 

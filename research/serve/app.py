@@ -155,9 +155,8 @@ def create_app(
     async def client_left(request: Request, error: ClientDisconnect) -> Response:
         return Response(status_code=400)  # nobody reads it: the client is gone
 
-    async def parse(request: Request) -> dict:
-        """The checked JSON body of a generation request: every field but the prompt is
-        checked here, before any tokenization is paid for."""
+    async def served_body(request: Request) -> dict:
+        """The JSON body of a request to this server's model (400 naming the model otherwise)."""
         body = protocol.parse_json_body(await _read_body(request, max_body_bytes))
         model = body.get("model", served_model_name)
         if model != served_model_name:
@@ -167,6 +166,12 @@ def create_app(
                 f"{served_model_name!r}",
                 code="model_not_found",
             )
+        return body
+
+    async def parse(request: Request) -> dict:
+        """The checked JSON body of a generation request: every field but the prompt is
+        checked here, before any tokenization is paid for."""
+        body = await served_body(request)
         protocol.sampling_params(body, default_max_tokens=1)
         for name, kind in (("stream", bool), ("stream_options", dict), ("return_token_ids", bool)):
             protocol.field(body, name, kind)
@@ -306,9 +311,7 @@ def create_app(
         return await generate(request, body, await render_chat(messages), None, chat=True)
 
     async def tokenizer_body(request: Request) -> dict:
-        body = protocol.parse_json_body(await _read_body(request, max_body_bytes))
-        if body.get("model", served_model_name) != served_model_name:
-            raise APIError(400, f"this server serves {served_model_name!r}", code="model_not_found")
+        body = await served_body(request)
         if engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
         return body
