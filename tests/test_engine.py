@@ -3,6 +3,8 @@ bounded compilation, stop conditions, copy-on-write block copies."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from research import SamplingParams
@@ -221,3 +223,42 @@ def test_llm_logs_its_kv_pool_at_start(caplog):
     # 64 blocks of 4 tokens; a 128-token request needs 32 of them
     assert "# KV cache blocks: 64 (256 tokens of 4)" in caplog.text
     assert "maximum concurrency for 128 tokens per request: 2.00x" in caplog.text
+
+
+def test_prompt_logprobs_survive_chunking_prefix_caching_and_preemption(model):
+    """Prompt log-probabilities do not depend on how the prompt was computed: whole, in 8-token
+    chunks, after an identical prompt filled the prefix cache (such a request recomputes its
+    prompt, as vLLM), or recomputed after preemption."""
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    whole = _engine(model).generate(PROMPTS[2:], [sp, sp])
+    assert len(whole[0].prompt_logprobs) == len(PROMPTS[2]) and whole[0].prompt_logprobs[0] is None
+    chunked_engine = _engine(model, max_num_batched_tokens=8)
+    chunked_engine.generate([PROMPTS[2]], [GREEDY])  # fills the prefix cache
+    chunked = chunked_engine.generate([PROMPTS[2]], [sp])[0]
+    # 18 blocks of 4 admit both prompts (10 + 5 blocks); growing, one preempts the other.
+    cfg, params = model
+    tight = Engine(
+        cfg,
+        params,
+        cache_config=CacheConfig(block_size=4, num_kv_blocks=18),
+        scheduler_config=SchedulerConfig(max_num_seqs=8),
+        max_model_len=128,
+    )
+    long_sp = dataclasses.replace(sp, max_tokens=16)
+    preempted = tight.generate(PROMPTS[2:], [long_sp, long_sp])
+    assert tight.scheduler.num_preemptions > 0
+    for ref, other in [(whole[0], chunked), *zip(whole, preempted, strict=True)]:
+        assert other.token_ids[:6] == ref.token_ids
+        for a, b in zip(ref.prompt_logprobs[1:], other.prompt_logprobs[1:], strict=True):
+            assert a.keys() == b.keys()
+            for t in a:
+                assert a[t].rank == b[t].rank
+                assert abs(a[t].logprob - b[t].logprob) < 1e-4
+
+
+def test_logprobs_are_refused_where_no_logits_exist():
+    from research import LLM
+
+    llm = LLM("tiny-llama", executor="simulated", hardware="gb10")
+    with pytest.raises(ValueError, match="logprobs need the model's logits"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=1))

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 
 from research import SamplingParams
@@ -108,3 +111,69 @@ def test_seeded_sampling_is_reproducible(smollm2_llm):
     )[0]
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids
+
+
+def test_eos_is_kept_in_token_ids_as_vllm(smollm2_llm):
+    """EOS ends the answer, stays in token_ids (stop_reason None) and is not in the text; when
+    max_tokens falls on the EOS, the finish reason is "length" (vLLM checks the cap first)."""
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = smollm2_llm.chat(messages, SamplingParams(max_tokens=16, temperature=0.0))[0]
+    eos = smollm2_llm.tokenizer.eos_token_id
+    assert out.finish_reason == "stop" and out.stop_reason is None
+    assert out.token_ids[-1] == eos and eos not in out.token_ids[:-1]
+    assert out.text == smollm2_llm.tokenizer.decode(out.token_ids[:-1])
+    assert smollm2_llm.tokenizer.hf.decode([eos]) not in out.text
+    capped = smollm2_llm.chat(
+        messages, SamplingParams(max_tokens=len(out.token_ids), temperature=0.0)
+    )[0]
+    assert capped.token_ids == out.token_ids
+    assert capped.finish_reason == "length" and capped.stop_reason is None
+
+
+def test_logprobs_match_hf_log_softmax(smollm2_llm, smollm2_hf):
+    """A vLLM user's snippet: ``logprobs=5`` gives, per generated token, the five most likely
+    tokens ranked 1..5 plus the sampled one, equal to HF's log-softmax; ``prompt_logprobs``
+    the same for every prompt token after the first."""
+    hf_model, _ = smollm2_hf
+    sp = SamplingParams(max_tokens=6, temperature=0.8, seed=3, logprobs=5, prompt_logprobs=2)
+    out = smollm2_llm.generate([PROMPTS[3]], sp)[0]
+    completion = out.outputs[0]
+    assert isinstance(completion.text, str) and len(completion.logprobs) == 6
+    ids = out.prompt_token_ids + completion.token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].double(), -1).numpy()
+    n_prompt = len(out.prompt_token_ids)
+    total = 0.0
+    for i, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
+        row = ref[n_prompt - 1 + i]
+        top5 = [t for t, lp in entry.items() if lp.rank <= 5]
+        assert sorted(entry[t].rank for t in top5) == [1, 2, 3, 4, 5]
+        assert set(top5) == set(np.argsort(-row)[:5].tolist())
+        for t, lp in entry.items():
+            assert abs(lp.logprob - row[t]) < 2e-3, (i, t, lp.logprob, row[t])
+            assert lp.decoded_token == smollm2_llm.tokenizer.decode([t], False)
+        assert token in entry and entry[token].rank == int((row >= row[token]).sum())
+        total += entry[token].logprob
+    assert completion.cumulative_logprob == pytest.approx(total)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == n_prompt
+    for p in range(1, n_prompt):
+        entry, row = out.prompt_logprobs[p], ref[p - 1]
+        assert ids[p] in entry and len(entry) in (2, 3)
+        for t, lp in entry.items():
+            assert abs(lp.logprob - row[t]) < 2e-3
+
+
+def test_logprobs_do_not_change_tokens(smollm2_llm):
+    """Asking for log-probabilities changes nothing else: same tokens, greedy and seeded."""
+    for sp in (
+        SamplingParams(max_tokens=8, temperature=0.0),
+        SamplingParams(max_tokens=8, temperature=1.0, seed=5),
+    ):
+        plain = smollm2_llm.generate(PROMPTS[:2], sp)
+        with_lp = smollm2_llm.generate(
+            PROMPTS[:2], dataclasses.replace(sp, logprobs=0, prompt_logprobs=0)
+        )
+        for a, b in zip(plain, with_lp, strict=True):
+            assert a.token_ids == b.token_ids
+            assert a.outputs[0].logprobs is None and len(b.outputs[0].logprobs) == len(b.token_ids)
+            assert all(len(d) == 1 for d in b.outputs[0].logprobs)  # logprobs=0: the sample only

@@ -33,6 +33,7 @@ def _tensors(
         top_p=col(top_p, np.float32),
         seed=col(seed, np.uint32),
         step=col(step, np.int32),
+        logprobs=col(False, bool),
     )
 
 

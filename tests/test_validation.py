@@ -248,6 +248,10 @@ def test_batch_of_token_id_lists_matches_single_calls(llm, reference_tokens):
         ({"stop_token_ids": 7}, "stop_token_ids"),
         ({"ignore_eos": "yes"}, "ignore_eos"),
         ({"skip_special_tokens": 1}, "skip_special_tokens"),
+        ({"logprobs": 21}, r"logprobs must be in \[0, 20\]"),
+        ({"logprobs": -1}, "whole vocabulary"),
+        ({"logprobs": True}, "logprobs"),
+        ({"prompt_logprobs": 2.0}, "prompt_logprobs"),
     ],
 )
 def test_sampling_params_check_every_type_and_device_bound(kwargs, reason):

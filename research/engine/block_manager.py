@@ -95,8 +95,12 @@ class BlockManager:
         """Cached blocks holding a prefix of ``seq`` (for a sequence with nothing computed).
 
         At least the last token is always left to compute, so the step has logits to sample.
+        A request that wants its prompt's log-probabilities computes every prompt token (as
+        vLLM: cached tokens have no logits).
         """
         if not self.enable_prefix_caching or seq.num_computed_tokens or seq.block_ids:
+            return []
+        if seq.sampling_params.prompt_logprobs is not None:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self._extend_hashes(seq, max_blocks)

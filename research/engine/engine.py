@@ -21,7 +21,7 @@ import numpy as np
 
 from research.config import CacheConfig, ModelConfig, SchedulerConfig
 from research.engine.block_manager import BlockManager
-from research.engine.executor import ModelExecutor, StepResult, num_blocks_for
+from research.engine.executor import ModelExecutor, StepResult, decode_logprobs, num_blocks_for
 from research.engine.isolation import isolate_failure
 from research.engine.request import RequestMetrics, RequestOutput, SamplingParams
 from research.engine.scheduler import Scheduler, StepPlan
@@ -114,6 +114,13 @@ class Engine:
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(sp).__name__}")
         sp.validate()
+        if (sp.logprobs is not None or sp.prompt_logprobs is not None) and not getattr(
+            self.executor, "computes_logprobs", False
+        ):
+            raise ValueError(
+                f"logprobs need the model's logits; the {type(self.executor).__name__} does not "
+                "compute any"
+            )
         vocab = self.model_config.vocab_size
         if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__len__"):
             raise ValueError(
@@ -295,6 +302,8 @@ class Engine:
     def _commit(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         now = self.clock()
         outputs = []
+        for item in plan.scheduled:
+            item.seq.prompt_logprobs_raw.update(result.prompt_logprobs.get(item.seq.request_id, {}))
         for seq in self.scheduler.commit(plan):
             token = result.tokens[seq.request_id]
             m = seq.metrics
@@ -303,6 +312,10 @@ class Engine:
             m.token_times.append(now)
             seq.top2_gaps.append(result.top2_gaps[seq.request_id])
             try:
+                n = seq.sampling_params.logprobs
+                if n is not None:
+                    raw = result.logprobs[seq.request_id]
+                    seq.logprobs.append(decode_logprobs(raw, token, n, self._token_text))
                 self._append_and_check_stop(seq, token)
             except Exception as error:  # e.g. a detokenizer error: this request's alone
                 outputs.append(self._fail(seq, f"{type(error).__name__}: {error}"))
@@ -316,24 +329,52 @@ class Engine:
         return outputs
 
     def _append_and_check_stop(self, seq: Sequence, token: int) -> None:
+        """vLLM's stop rules: the token is always kept in ``token_ids`` (EOS included); the
+        length cap is checked first, then EOS (``stop_reason`` None), then stop token ids
+        (``stop_reason`` the token); a stop string found in the text overrides them all and cuts
+        the text there. A token that stopped the request is left out of its text."""
         sp = seq.sampling_params
-        if token in sp.stop_token_ids:
-            seq.output_token_ids.append(token)  # explicit stop tokens are kept (as vLLM)
-            seq.finish_reason, seq.stop_reason = "stop", token
-            return
-        if not sp.ignore_eos and token in self._eos:
-            seq.finish_reason, seq.stop_reason = "stop", token  # EOS is not part of the output
-            return
         seq.output_token_ids.append(token)
+        if len(seq.output_token_ids) >= sp.max_tokens:
+            seq.finish_reason = "length"
+        elif not sp.ignore_eos and token in self._eos:
+            seq.finish_reason, seq.stop_reason = "stop", None
+        elif token in sp.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
         if sp.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids, sp.skip_special_tokens)
+            text = self.tokenizer.decode(self._text_ids(seq), sp.skip_special_tokens)
             hit = next((s for s in sp.stop if s in text), None)
             if hit is not None:
                 seq.finish_reason, seq.stop_reason = "stop", hit
                 seq.output_text = text[: text.index(hit)]
-                return
-        if len(seq.output_token_ids) >= sp.max_tokens:
-            seq.finish_reason = "length"
+
+    @staticmethod
+    def _text_ids(seq: Sequence) -> list[int]:
+        """The output tokens that make its text: all but a final EOS or stop token."""
+        if seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str):
+            return seq.output_token_ids[:-1]
+        return seq.output_token_ids
+
+    def _token_text(self, token: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def _prompt_logprobs(self, seq: Sequence) -> list | None:
+        """vLLM's ``prompt_logprobs``: None for the first prompt token, then a dict per token;
+        decoded once, when the whole prompt has been computed."""
+        n = seq.sampling_params.prompt_logprobs
+        if n is None or seq.prompt_logprobs is not None:
+            return seq.prompt_logprobs
+        prompt = seq.prompt_token_ids
+        if any(p not in seq.prompt_logprobs_raw for p in range(1, len(prompt))):
+            return None  # still prefilling (or stopped before it finished)
+        raw = seq.prompt_logprobs_raw
+        seq.prompt_logprobs = [None] + [
+            decode_logprobs(raw[p], prompt[p], n, self._token_text) for p in range(1, len(prompt))
+        ]
+        seq.prompt_logprobs_raw = {}
+        return seq.prompt_logprobs
 
     def _finish(self, seq: Sequence) -> None:
         self.requests.pop(seq.request_id, None)
@@ -345,7 +386,7 @@ class Engine:
         # Text is decoded once, at the end; streaming callers decode token ids themselves.
         if self.tokenizer is not None and seq.is_finished and not isinstance(seq.stop_reason, str):
             text = self.tokenizer.decode(
-                seq.output_token_ids, seq.sampling_params.skip_special_tokens
+                self._text_ids(seq), seq.sampling_params.skip_special_tokens
             )
             seq.output_text = text
         return RequestOutput(
@@ -359,6 +400,8 @@ class Engine:
             stop_reason=seq.stop_reason,
             top2_logit_gaps=list(seq.top2_gaps),
             num_preemptions=seq.num_preemptions,
+            logprobs=None if seq.sampling_params.logprobs is None else list(seq.logprobs),
+            prompt_logprobs=self._prompt_logprobs(seq),
         )
 
     # ------------------------------------------------------------------ stats

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -39,8 +39,8 @@ from research.engine.kv_cache import (
     kv_pool_bytes_per_block,
     write_kv,
 )
-from research.engine.request import SamplingParams
-from research.engine.sampler import SamplingTensors, sample
+from research.engine.request import MAX_LOGPROBS, Logprob, SamplingParams
+from research.engine.sampler import SamplingTensors, sample, token_logprobs
 from research.engine.scheduler import ScheduledSeq, StepPlan
 from research.models.transformer import Params, compute_logits, forward
 
@@ -65,6 +65,9 @@ class StepBatch:
     block_tables: jax.Array  # [R, M] int32
     logits_index: jax.Array  # [R] int32: the packed index of each row's last token
     sampling: SamplingTensors  # [R] each
+    # [N] int32: the next prompt token after each packed token, for requests that want their
+    # prompt's log-probabilities; -1 elsewhere
+    prompt_targets: jax.Array
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend"))
@@ -75,9 +78,12 @@ def model_step(
     *,
     cfg: ModelConfig,
     backend: str,
-) -> tuple[list[jax.Array], list[jax.Array], jax.Array, jax.Array]:
+) -> tuple[list[jax.Array], list[jax.Array], jax.Array, jax.Array, dict[str, jax.Array]]:
     """Forward + sample. Returns new K/V per layer ([N, K, E], for ``write_kv``), the sampled
-    token per row [R] and the gap between each row's two largest logits [R]."""
+    token per row [R], the gap between each row's two largest logits [R], and log-probabilities:
+    of each row's sample ("sample_*", [R] and [R, MAX_LOGPROBS]) and of each packed token's
+    next prompt token ("prompt_*", [N] and [N, MAX_LOGPROBS]). Each log-probability branch runs
+    only when a row (or packed token) of the call asks for it; otherwise it returns zeros."""
     STEP_TRACES[0] += 1  # runs only while tracing
     cache = PagedKVCache(
         pool,
@@ -89,7 +95,56 @@ def model_step(
     )
     hidden, cache = forward(params, cfg, batch.tokens[None], batch.positions[None], cache, backend)
     logits = compute_logits(params, cfg, hidden[0, batch.logits_index])  # [R, V]
-    return cache.new_k, cache.new_v, sample(logits, batch.sampling), top2_gap(logits)
+    sampled = sample(logits, batch.sampling)
+    logprobs = {
+        f"sample_{k}": v
+        for k, v in _when(
+            jnp.any(batch.sampling.logprobs),
+            lambda: token_logprobs(logits, sampled, MAX_LOGPROBS),
+            sampled.shape[0],
+        ).items()
+    }
+    logprobs |= {
+        f"prompt_{k}": v
+        for k, v in _when(
+            jnp.any(batch.prompt_targets >= 0),
+            lambda: _prompt_logprobs(params, cfg, hidden[0], batch.prompt_targets),
+            batch.tokens.shape[0],
+        ).items()
+    }
+    return cache.new_k, cache.new_v, sampled, top2_gap(logits), logprobs
+
+
+def _when(pred: jax.Array, fn: Any, rows: int) -> dict[str, jax.Array]:
+    """``token_logprobs``-shaped results of ``fn()`` if ``pred``, else zeros (lax.cond)."""
+    names = ("logprob", "rank", "top_ids", "top_logprobs")
+
+    def zeros() -> tuple[jax.Array, ...]:
+        k = MAX_LOGPROBS
+        return (
+            jnp.zeros(rows),
+            jnp.zeros(rows, jnp.int32),
+            jnp.zeros((rows, k), jnp.int32),
+            jnp.zeros((rows, k)),
+        )
+
+    return dict(zip(names, jax.lax.cond(pred, fn, zeros), strict=True))
+
+
+def _prompt_logprobs(
+    params: Params, cfg: ModelConfig, hidden: jax.Array, targets: jax.Array
+) -> tuple[jax.Array, ...]:
+    """``token_logprobs`` of every packed token's next prompt token: hidden [N, D], targets [N].
+    The head runs over chunks of at most 64 tokens, so the logits never take N x V at once."""
+    n = hidden.shape[0]
+    chunk = min(n & -n, 64)  # a power of two that divides N
+
+    def one(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+        h, t = args
+        return token_logprobs(compute_logits(params, cfg, h), t, MAX_LOGPROBS)
+
+    out = jax.lax.map(one, (hidden.reshape(n // chunk, chunk, -1), targets.reshape(-1, chunk)))
+    return tuple(x.reshape(n, *x.shape[2:]) for x in out)
 
 
 def top2_gap(logits: jax.Array) -> jax.Array:
@@ -104,6 +159,12 @@ def top2_gap(logits: jax.Array) -> jax.Array:
 _write_kv = jax.jit(write_kv, donate_argnums=0)
 _copy_blocks = jax.jit(copy_blocks, donate_argnums=0)
 _fill_blocks = jax.jit(fill_blocks, donate_argnums=0, static_argnums=2)
+
+
+def _raw(lps: dict[str, jax.Array], kind: str) -> tuple[np.ndarray, ...]:
+    return tuple(
+        np.asarray(lps[f"{kind}_{k}"]) for k in ("logprob", "rank", "top_ids", "top_logprobs")
+    )
 
 
 def context_bucket(n: int, minimum: int, maximum: int) -> int:
@@ -129,6 +190,11 @@ def bucket(n: int, minimum: int, maximum: int) -> int:
     return min(max(minimum, 1 << max(0, n - 1).bit_length()), maximum)
 
 
+# One position's log-probabilities, as the step returns them: (log-probability of the chosen
+# token, its rank, the top MAX_LOGPROBS token ids, their log-probabilities).
+RawLogprobs = tuple[float, int, np.ndarray, np.ndarray]
+
+
 @dataclass
 class StepResult:
     """Sampled token and top-2 logit gap per scheduled sequence (request id -> value)."""
@@ -137,6 +203,23 @@ class StepResult:
     top2_gaps: dict[str, float]
     duration: float  # wall seconds of execute()
     device_time: float  # of which from dispatching the jitted calls to their results being ready
+    # Rows whose request asked for logprobs: their sample's.
+    logprobs: dict[str, RawLogprobs] = field(default_factory=dict)
+    # Requests that asked for prompt_logprobs: {position of the prompt token: its entry}.
+    prompt_logprobs: dict[str, dict[int, RawLogprobs]] = field(default_factory=dict)
+
+
+def decode_logprobs(raw: RawLogprobs, token: int, n: int, decode: Any) -> dict[int, Logprob]:
+    """vLLM's per-position dict: the chosen ``token`` and the ``n`` most likely ones, each a
+    ``Logprob`` with its rank (1 = most likely) and text (``decode(id)``, or None)."""
+    logprob, rank, ids, values = raw
+    entries = {
+        int(t): Logprob(float(v), i + 1, decode(int(t)))
+        for i, (t, v) in enumerate(zip(ids[:n], values[:n], strict=True))
+    }
+    if token not in entries:
+        entries = {token: Logprob(float(logprob), int(rank), decode(token)), **entries}
+    return entries
 
 
 def num_blocks_for(
@@ -158,6 +241,8 @@ def num_blocks_for(
 
 
 class ModelExecutor:
+    computes_logprobs = True  # the engine refuses logprobs on executors without logits
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -212,13 +297,12 @@ class ModelExecutor:
             self.pool = _copy_blocks(
                 self.pool, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)
             )
-        tokens: dict[str, int] = {}
-        gaps: dict[str, float] = {}
-        device_time = 0.0
+        result = StepResult({}, {}, 0.0, 0.0)
         for group, is_decode in ((plan.decodes, True), (plan.prefills, False)):
             if group:
-                device_time += self._run(group, is_decode, tokens, gaps)
-        return StepResult(tokens, gaps, time.perf_counter() - t0, device_time)
+                result.device_time += self._run(group, is_decode, result)
+        result.duration = time.perf_counter() - t0
+        return result
 
     def call_shape(self, group: list[ScheduledSeq], is_decode: bool) -> tuple[int, int, int, int]:
         """(N packed tokens, R rows, T tokens per row, M blocks per row) of the call that runs
@@ -244,6 +328,7 @@ class ModelExecutor:
             np.zeros((r, m), np.int32),
             np.zeros(r, np.int32),
             SamplingTensors.from_params([_PAD_PARAMS] * r, [0] * r, [0] * r),
+            np.full(n, -1, np.int32),
         )
 
     def cover_shapes(self, max_attention_bytes: int = 512 << 20) -> list[tuple[int, int, int, int]]:
@@ -320,7 +405,7 @@ class ModelExecutor:
         for i, (n, r, t, m) in enumerate(todo):
             t0 = time.perf_counter()
             batch = self._padding_batch(n, r, t, m)
-            new_k, new_v, sampled, _ = model_step(
+            new_k, new_v, sampled, _, _ = model_step(
                 self.params, self.pool, batch, cfg=self.cfg, backend=self.backend
             )
             self.pool = _write_kv(self.pool, new_k, new_v, np.full(n, pad_slot, np.int32))
@@ -335,13 +420,7 @@ class ModelExecutor:
                 )
         return len(todo)
 
-    def _run(
-        self,
-        group: list[ScheduledSeq],
-        is_decode: bool,
-        tokens_out: dict[str, int],
-        gaps_out: dict[str, float],
-    ) -> float:
+    def _run(self, group: list[ScheduledSeq], is_decode: bool, out: StepResult) -> float:
         """Pack, run and unpack one call; returns the seconds spent in the jitted calls."""
         n_rows = len(group)
         shape = self.call_shape(group, is_decode)
@@ -363,6 +442,7 @@ class ModelExecutor:
         row_positions = np.full((r, t), -1, np.int32)
         block_tables = np.zeros((r, m), np.int32)
         logits_index = np.zeros(r, np.int32)
+        prompt_targets = np.full(n, -1, np.int32)
         params, seeds, steps = [], [], []
         offset = 0
         for i, item in enumerate(group):
@@ -378,6 +458,10 @@ class ModelExecutor:
             row_positions[i, :k] = pos
             block_tables[i, : len(table)] = table
             logits_index[i] = offset + k - 1
+            if seq.sampling_params.prompt_logprobs is not None:
+                prompt = seq.prompt_token_ids
+                inside = pos + 1 < len(prompt)
+                prompt_targets[span][inside] = np.asarray(prompt)[pos[inside] + 1]
             offset += k
             params.append(seq.sampling_params)
             seeds.append(seq.seed)
@@ -394,23 +478,38 @@ class ModelExecutor:
             SamplingTensors.from_params(
                 params + [_PAD_PARAMS] * pad, seeds + [0] * pad, steps + [0] * pad
             ),
+            prompt_targets,
         )
         with self._lock:
             self.step_shapes.add(shape)
             compiled = self._background.get(shape)
         t0 = time.perf_counter()
         if compiled is not None:
-            new_k, new_v, sampled, gaps = compiled(self.params, self.pool, batch)
+            new_k, new_v, sampled, gaps, lps = compiled(self.params, self.pool, batch)
         else:
-            new_k, new_v, sampled, gaps = model_step(
+            new_k, new_v, sampled, gaps, lps = model_step(
                 self.params, self.pool, batch, cfg=self.cfg, backend=self.backend
             )
         self.pool = _write_kv(self.pool, new_k, new_v, slots)
         sampled, gaps = np.asarray(sampled), np.asarray(gaps)
+        want = {i for i, p in enumerate(params) if p.logprobs is not None}
+        if want:
+            sample_lps = _raw(lps, "sample")
+        if (prompt_targets >= 0).any():
+            prompt_lps = _raw(lps, "prompt")
         device_time = time.perf_counter() - t0
+        offset = 0
         for i, item in enumerate(group):
-            tokens_out[item.seq.request_id] = int(sampled[i])
-            gaps_out[item.seq.request_id] = float(gaps[i])
+            rid = item.seq.request_id
+            out.tokens[rid] = int(sampled[i])
+            out.top2_gaps[rid] = float(gaps[i])
+            if i in want:
+                out.logprobs[rid] = tuple(x[i] for x in sample_lps)
+            for j in range(offset, offset + item.num_new_tokens):
+                if prompt_targets[j] >= 0:
+                    entry = tuple(x[j] for x in prompt_lps)
+                    out.prompt_logprobs.setdefault(rid, {})[int(positions[j]) + 1] = entry
+            offset += item.num_new_tokens
         return device_time
 
     def poison_blocks(self, block_ids: list[int], value: float = float("nan")) -> None:

@@ -63,6 +63,8 @@ def isolate_failure(
             suspects.append(item)
     tokens: dict[str, int] = {}
     gaps: dict[str, float] = {}
+    logprobs: dict[str, Any] = {}
+    prompt_logprobs: dict[str, Any] = {}
     duration = device_time = 0.0
     clean: list[ScheduledSeq] = []
     parts = [suspects] if suspects else []
@@ -80,8 +82,12 @@ def isolate_failure(
         clean += items
         tokens.update(result.tokens)
         gaps.update(result.top2_gaps)
+        logprobs.update(result.logprobs)
+        prompt_logprobs.update(result.prompt_logprobs)
         duration += result.duration
         device_time += result.device_time
     committed = _sub_plan(plan, clean)
     committed.preempted, committed.block_copies = plan.preempted, plan.block_copies
-    return committed, StepResult(tokens, gaps, duration, device_time), culprits
+    return committed, StepResult(
+        tokens, gaps, duration, device_time, logprobs, prompt_logprobs
+    ), culprits

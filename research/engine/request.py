@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 INT32_MAX = 2**31 - 1  # the device step holds token counts, top_k and token ids as int32
 FLOAT32_MAX = 3.4028234663852886e38  # temperature and top_p travel to the device as float32
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most alternatives a request may ask for
 
 
 def check_int(name: str, value: object, low: int, high: int) -> int:
@@ -60,6 +61,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Log-probabilities (vLLM's): ``logprobs=n`` returns, per generated token, the sampled
+    # token's log-probability and the n most likely alternatives, each with its rank;
+    # ``prompt_logprobs=n`` the same for every prompt token after the first. Both are of the
+    # model's raw distribution (before temperature, top-k and top-p), as vLLM's default.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples (the params are hashable);
@@ -106,11 +113,39 @@ class SamplingParams:
             "stop_token_ids": tuple(check_int("stop_token_ids[]", t, 0, INT32_MAX) for t in ids),
             "ignore_eos": check_bool("ignore_eos", self.ignore_eos),
             "skip_special_tokens": check_bool("skip_special_tokens", self.skip_special_tokens),
+            "logprobs": _check_logprobs("logprobs", self.logprobs),
+            "prompt_logprobs": _check_logprobs("prompt_logprobs", self.prompt_logprobs),
         }
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _check_logprobs(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value < 0:
+        raise ValueError(
+            f"{name} must be in [0, {MAX_LOGPROBS}], got {value} (this engine does not return "
+            "the whole vocabulary's log-probabilities)"
+        )
+    return check_int(name, value, 0, MAX_LOGPROBS)
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability and its rank in the distribution (1 = most likely), with
+    its text (vLLM's ``Logprob``)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: token id -> Logprob (the chosen token's and the top alternatives').
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -146,11 +181,14 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: int | str | None = None
-    logprobs: None = None  # not computed by this engine
+    logprobs: SampleLogprobs | None = None  # when SamplingParams.logprobs is set
 
     @property
-    def cumulative_logprob(self) -> None:
-        return None
+    def cumulative_logprob(self) -> float | None:
+        """Sum of the generated tokens' log-probabilities (None unless logprobs were asked)."""
+        if self.logprobs is None:
+            return None
+        return float(sum(d[t].logprob for d, t in zip(self.logprobs, self.token_ids)))
 
 
 @dataclass
@@ -172,6 +210,9 @@ class RequestOutput:
     top2_logit_gaps: list[float] = field(default_factory=list)
     num_preemptions: int = 0
     error: str | None = None  # why the engine failed this request (finish_reason "error")
+    logprobs: SampleLogprobs | None = None  # one dict per token_ids entry, if asked for
+    # None for the first prompt token, then one dict per prompt token, if asked for.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -181,5 +222,7 @@ class RequestOutput:
     def outputs(self) -> list[CompletionOutput]:
         """vLLM's shape: ``out.outputs[0].text``."""
         return [
-            CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.stop_reason)
+            CompletionOutput(
+                0, self.text, self.token_ids, self.finish_reason, self.stop_reason, self.logprobs
+            )
         ]

@@ -27,6 +27,7 @@ class SamplingTensors:
     top_p: jax.Array  # float32; 1 = disabled
     seed: jax.Array  # uint32 request seed
     step: jax.Array  # int32 tokens generated so far by the row (folded into the key)
+    logprobs: jax.Array  # bool: the row wants its sample's log-probability and top alternatives
 
     @classmethod
     def from_params(
@@ -38,6 +39,7 @@ class SamplingTensors:
             top_p=jnp.asarray(np.array([p.top_p for p in params], np.float32)),
             seed=jnp.asarray(np.array(seeds, np.uint32)),
             step=jnp.asarray(np.array(steps, np.int32)),
+            logprobs=jnp.asarray(np.array([p.logprobs is not None for p in params], bool)),
         )
 
 
@@ -80,3 +82,30 @@ def sample(logits: jax.Array, st: SamplingTensors) -> jax.Array:
         scaled,
     )
     return jnp.where(st.temperature > 0, sampled, greedy_tokens)
+
+
+def token_logprobs(
+    logits: jax.Array, targets: jax.Array, k: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Log-softmax of raw ``logits`` [B, V]: each row's ``targets`` [B] log-probability and rank
+    (how many tokens are at least as likely, vLLM's count), and its ``k`` most likely tokens
+    (ids [B, k] and log-probabilities [B, k], most likely first; ties to the lower id).
+
+    The top k come from k argmax passes: lax.top_k lowers to a full sort of the vocabulary on
+    XLA:CPU, k passes over it cost less for the k <= 20 asked here."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    rows = jnp.arange(logp.shape[0])
+    target = jnp.clip(targets, 0, logp.shape[-1] - 1)
+    target_lp = logp[rows, target]
+    rank = jnp.sum(logp >= target_lp[:, None], axis=-1).astype(jnp.int32)
+
+    def pick(i, carry):
+        x, ids, vals = carry
+        j = jnp.argmax(x, axis=-1).astype(jnp.int32)
+        ids = ids.at[:, i].set(j)
+        vals = vals.at[:, i].set(x[rows, j])
+        return x.at[rows, j].set(-jnp.inf), ids, vals
+
+    init = (logp, jnp.zeros((logp.shape[0], k), jnp.int32), jnp.zeros((logp.shape[0], k)))
+    _, top_ids, top_lp = jax.lax.fori_loop(0, k, pick, init)
+    return target_lp, rank, top_ids, top_lp

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from research.engine.request import RequestMetrics, SamplingParams
 
@@ -41,6 +42,12 @@ class Sequence:
     output_text: str = ""
     # Gap between the two largest logits when each output token was sampled (ties show here).
     top2_gaps: list[float] = field(default_factory=list)
+    # SamplingParams.logprobs: one {token id: Logprob} per output token.
+    logprobs: list[dict[int, Any]] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: the step's raw entries by prompt position (a preempted
+    # request recomputes them; the same position gets the same entry), and the decoded list.
+    prompt_logprobs_raw: dict[int, Any] = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, Any] | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:
