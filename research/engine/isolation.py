@@ -88,6 +88,8 @@ def isolate_failure(
         device_time += result.device_time
     committed = _sub_plan(plan, clean)
     committed.preempted, committed.block_copies = plan.preempted, plan.block_copies
-    return committed, StepResult(
-        tokens, gaps, duration, device_time, logprobs, prompt_logprobs
-    ), culprits
+    return (
+        committed,
+        StepResult(tokens, gaps, duration, device_time, logprobs, prompt_logprobs),
+        culprits,
+    )

@@ -188,7 +188,7 @@ class CompletionOutput:
         """Sum of the generated tokens' log-probabilities (None unless logprobs were asked)."""
         if self.logprobs is None:
             return None
-        return float(sum(d[t].logprob for d, t in zip(self.logprobs, self.token_ids)))
+        return float(sum(d[t].logprob for d, t in zip(self.logprobs, self.token_ids, strict=True)))
 
 
 @dataclass
