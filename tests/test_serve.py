@@ -18,6 +18,7 @@ import openai
 import pytest
 import uvicorn
 
+from research import SamplingParams
 from research.bench import BenchRequest, compute_metrics
 from research.bench.http_client import run_http_benchmark
 from research.config import CacheConfig, SchedulerConfig
@@ -231,8 +232,6 @@ def test_http_benchmark_client_records_ttft_and_tpot(server):
 
 
 UNSUPPORTED = {
-    "logprobs": 5,
-    "top_logprobs": 2,
     "echo": True,
     "best_of": 3,
     "presence_penalty": 0.5,
@@ -284,6 +283,116 @@ def test_chat_content_parts_are_read_as_text(server):
     assert parts.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
     image = chat([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])
     assert image.status_code == 400 and "only text content parts" in image.text
+
+
+def test_chat_streams_as_vllm_bench_serve_openai_chat_sends_them(server):
+    """``vllm bench serve --backend openai-chat``'s request: text content parts,
+    max_completion_tokens, ignore_eos, streaming with usage. Eight at once: every one
+    succeeds, streams its tokens and reports them in its usage chunk."""
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[str, dict, bool]:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": f"Count to {i}"}]}],
+            "temperature": 0.0,
+            "max_completion_tokens": 5,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        text, usage, done = "", None, False
+        async with client.stream("POST", f"{server}/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[len("data: ") :])
+                    if chunk["choices"]:
+                        text += chunk["choices"][0]["delta"].get("content") or ""
+                    usage = chunk.get("usage") or usage
+        return text, usage, done
+
+    async def run() -> list[tuple[str, dict, bool]]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(8)))
+
+    for text, usage, done in asyncio.run(run()):
+        assert done and text and usage["completion_tokens"] == 5
+        assert usage["total_tokens"] == usage["prompt_tokens"] + 5
+
+
+def test_logprobs_through_the_openai_client(server, smollm2_llm):
+    """Completions ``logprobs=n`` and chat ``logprobs``/``top_logprobs``, streamed or not, carry
+    the engine's log-probabilities; bad combinations are refused."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    prompt = "The capital of France is"
+    ref = smollm2_llm.generate(
+        [prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3)
+    )[0]
+    completion = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=4,
+        temperature=0.0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    lp = completion.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(
+        [e[t].logprob for e, t in zip(ref.outputs[0].logprobs, ref.token_ids, strict=True)],
+        abs=1e-4,
+    )
+    assert "".join(lp.tokens) == completion.choices[0].text == ref.text
+    assert all(len(top) >= 3 for top in lp.top_logprobs)
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=5, temperature=0.0)
+    plain = client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=2)
+    content = plain.choices[0].logprobs.content
+    assert len(content) == plain.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 2
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert item.logprob <= item.top_logprobs[0].logprob + 1e-6
+        assert bytes(item.bytes).decode("utf-8", "replace") == item.token
+    streamed = [
+        item
+        for chunk in client.chat.completions.create(
+            **kwargs, logprobs=True, top_logprobs=2, stream=True
+        )
+        if chunk.choices and chunk.choices[0].logprobs
+        for item in chunk.choices[0].logprobs.content
+    ]
+    assert [(i.token, round(i.logprob, 4)) for i in streamed] == [
+        (i.token, round(i.logprob, 4)) for i in content
+    ]
+    assert client.chat.completions.create(**kwargs).choices[0].logprobs is None
+
+    for body, reason in (
+        ({"messages": messages, "top_logprobs": 2}, "'top_logprobs' needs 'logprobs': true"),
+        ({"messages": messages, "logprobs": True, "top_logprobs": 21}, "logprobs must be in"),
+        ({"prompt": prompt, "logprobs": -1}, "whole vocabulary"),
+    ):
+        path = "chat/completions" if "messages" in body else "completions"
+        response = httpx.post(f"{server}/v1/{path}", json={"model": MODEL, **body}, timeout=60)
+        assert response.status_code == 400 and reason in response.text, response.text
+
+
+def test_completions_prompt_logprobs_as_vllm(server, smollm2_llm):
+    body = _body(prompt_logprobs=1)
+    choice = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    ref = smollm2_llm.generate(
+        [PROMPT], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    )[0]
+    assert choice["prompt_logprobs"][0] is None
+    assert len(choice["prompt_logprobs"]) == len(PROMPT)
+    for got, want in zip(choice["prompt_logprobs"][1:], ref.prompt_logprobs[1:], strict=True):
+        assert {int(t) for t in got} == set(want)
+        for t, entry in got.items():
+            assert entry["logprob"] == pytest.approx(want[int(t)].logprob, abs=1e-4)
+            assert entry["rank"] == want[int(t)].rank
 
 
 def test_tokenize_and_detokenize_as_vllm(server, smollm2_llm):

@@ -168,11 +168,11 @@ def create_app(
             )
         return body
 
-    async def parse(request: Request) -> dict:
+    async def parse(request: Request, chat: bool) -> dict:
         """The checked JSON body of a generation request: every field but the prompt is
         checked here, before any tokenization is paid for."""
         body = await served_body(request)
-        protocol.sampling_params(body, default_max_tokens=1)
+        protocol.sampling_params(body, default_max_tokens=1, chat=chat)
         for name, kind in (("stream", bool), ("stream_options", dict), ("return_token_ids", bool)):
             protocol.field(body, name, kind)
         return body
@@ -193,7 +193,7 @@ def create_app(
         request: Request, body: dict, prompt_ids: list[int], prompt: str | None, chat: bool
     ) -> Response:
         default_max = 16 if not chat else max(1, engine.max_model_len - len(prompt_ids))
-        params = protocol.sampling_params(body, default_max)
+        params = protocol.sampling_params(body, default_max, chat=chat)
         stream = protocol.field(body, "stream", bool, False)
         options = protocol.field(body, "stream_options", dict) or {}
         include_usage = bool(options.get("include_usage"))
@@ -206,6 +206,15 @@ def create_app(
             "model": served_model_name,
         }
         detok = protocol.Detokenizer(engine, params)
+
+        def logprobs_json(out: RequestOutput, start: int, offset: int = 0) -> dict | None:
+            """The choice's ``logprobs`` for tokens ``start:`` of ``out`` (None if not asked)."""
+            if params.logprobs is None or out.logprobs is None:
+                return None
+            ids, entries = out.token_ids[start:], out.logprobs[start:]
+            if chat:
+                return protocol.chat_logprobs(ids, entries, params.logprobs)
+            return protocol.completion_logprobs(ids, entries, offset)
 
         def usage(out: RequestOutput) -> dict:
             n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
@@ -246,27 +255,45 @@ def create_app(
                 obj = "chat.completion"
             else:
                 choice, obj = {"text": out.text}, "text_completion"
-            choice = {"index": 0, **choice, "logprobs": None, "finish_reason": out.finish_reason}
+            choice = {
+                "index": 0,
+                **choice,
+                "logprobs": logprobs_json(out, 0),
+                "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason,
+            }
+            if params.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = protocol.prompt_logprobs_json(out.prompt_logprobs)
             if return_token_ids:
                 choice |= {"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids}
             return JSONResponse({**header, "object": obj, "choices": [choice], "usage": usage(out)})
 
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        sent_ids = 0
+        sent_ids = 0  # tokens whose ids and logprobs went out
+        sent_chars = 0  # text_offset of the next token's logprobs
 
         def chunk(
             text: str, finish_reason: str | None, first: bool = False, out: Any = None
         ) -> dict:
-            nonlocal sent_ids
+            nonlocal sent_ids, sent_chars
             if chat:
                 delta = {"role": "assistant", "content": text} if first else {"content": text}
                 choice = {"delta": delta}
             else:
                 choice = {"text": text}
-            choice = {"index": 0, **choice, "logprobs": None, "finish_reason": finish_reason}
+            lp = None if out is None else logprobs_json(out, sent_ids, sent_chars)
+            choice = {"index": 0, **choice, "logprobs": lp, "finish_reason": finish_reason}
+            if finish_reason is not None:
+                choice["stop_reason"] = out.stop_reason
+                if params.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = protocol.prompt_logprobs_json(out.prompt_logprobs)
+            if lp is not None and not chat:
+                sent_chars += sum(len(t) for t in lp["tokens"])
             if return_token_ids and out is not None:
-                choice["token_ids"], sent_ids = out.token_ids[sent_ids:], len(out.token_ids)
+                choice["token_ids"] = out.token_ids[sent_ids:]
+            if out is not None:
+                sent_ids = len(out.token_ids)
             return {**header, "object": obj, "choices": [choice]}
 
         async def events() -> AsyncIterator[str]:
@@ -298,7 +325,7 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await parse(request)
+        body = await parse(request, chat=False)
         prompt = protocol.completion_prompt(body, engine, prompt_byte_limit)
         if isinstance(prompt, str):
             return await generate(request, body, await tokenize(prompt), prompt, chat=False)
@@ -306,7 +333,7 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await parse(request)
+        body = await parse(request, chat=True)
         messages = protocol.chat_messages(body, engine, prompt_byte_limit)
         return await generate(request, body, await render_chat(messages), None, chat=True)
 

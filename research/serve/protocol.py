@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from research.engine.engine import Engine
-from research.engine.request import RequestOutput, SamplingParams
+from research.engine.request import Logprob, RequestOutput, SamplingParams
 from research.serve.errors import APIError
 
 
@@ -72,8 +72,6 @@ def short(value: Any, limit: int = 100) -> str:
 # send some of them by default). Any other value is refused with a 400 naming the field, rather
 # than accepted and ignored.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
     "presence_penalty": (None, 0, 0.0),
@@ -100,9 +98,24 @@ def refuse_unsupported(body: dict) -> None:
             )
 
 
-def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
+def requested_logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives per token the request asks for (None: no logprobs). Completions
+    take ``logprobs: n``; chat takes ``logprobs: true`` with ``top_logprobs: n`` (OpenAI's)."""
+    if not chat:
+        return field(body, "logprobs", int)
+    top = field(body, "top_logprobs", int)
+    if not field(body, "logprobs", bool, False):
+        if top:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true")
+        return None
+    return top or 0
+
+
+def sampling_params(body: dict, default_max_tokens: int, chat: bool = False) -> SamplingParams:
     """The request's SamplingParams; SamplingParams itself checks each value's type and range."""
     refuse_unsupported(body)
+    if chat and body.get("prompt_logprobs") is not None:
+        raise APIError(400, "'prompt_logprobs' is a completions field")
     if field(body, "n", int, 1) != 1:
         raise APIError(400, "only n=1 is supported")
     stop = field(body, "stop", (str, list)) or ()
@@ -123,6 +136,8 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
             stop_token_ids=tuple(field(body, "stop_token_ids", list) or ()),
             ignore_eos=field(body, "ignore_eos", bool, False),
             skip_special_tokens=field(body, "skip_special_tokens", bool, True),
+            logprobs=requested_logprobs(body, chat),
+            prompt_logprobs=field(body, "prompt_logprobs", int),
         )
     except (ValueError, TypeError) as error:
         raise APIError(400, str(error)) from None
@@ -225,3 +240,69 @@ class Detokenizer:
             return ""
         new, self.sent = text[len(self.sent) :], text
         return new
+
+
+def _bytes(text: str | None) -> list[int]:
+    return list((text or "").encode("utf-8"))
+
+
+def completion_logprobs(
+    token_ids: list[int], entries: list[dict[int, Logprob]], offset: int = 0
+) -> dict[str, list]:
+    """OpenAI's completions ``logprobs`` object for these tokens; ``offset`` is where their
+    text starts in the completion (``text_offset`` counts characters from there)."""
+    tokens, token_logprobs, top, text_offset = [], [], [], []
+    for token, entry in zip(token_ids, entries, strict=True):
+        chosen = entry[token]
+        tokens.append(chosen.decoded_token or "")
+        token_logprobs.append(chosen.logprob)
+        top.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()})
+        text_offset.append(offset)
+        offset += len(chosen.decoded_token or "")
+    return {
+        "text_offset": text_offset,
+        "token_logprobs": token_logprobs,
+        "tokens": tokens,
+        "top_logprobs": top,
+    }
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], n: int) -> dict:
+    """OpenAI's chat ``logprobs`` object: per token its text, log-probability and bytes, with
+    the ``n`` most likely alternatives."""
+    content = []
+    for token, entry in zip(token_ids, entries, strict=True):
+        chosen = entry[token]
+        alternatives = sorted((lp for lp in entry.values() if lp.rank <= n), key=lambda x: x.rank)
+        content.append(
+            {
+                "token": chosen.decoded_token or "",
+                "logprob": chosen.logprob,
+                "bytes": _bytes(chosen.decoded_token),
+                "top_logprobs": [
+                    {
+                        "token": lp.decoded_token or "",
+                        "logprob": lp.logprob,
+                        "bytes": _bytes(lp.decoded_token),
+                    }
+                    for lp in alternatives[:n]
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None) -> list | None:
+    """vLLM's completions ``prompt_logprobs``: per prompt token None (the first) or
+    {token id: {"logprob", "rank", "decoded_token"}}."""
+    if entries is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in entry.items()
+        }
+        for entry in entries
+    ]
