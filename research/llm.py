@@ -22,6 +22,7 @@ from research.engine.request import RequestOutput, SamplingParams, check_bool, c
 from research.models.load import load_model
 from research.quant import QUANTIZATIONS, quantize_params
 from research.quant.kv import KV_DTYPES
+from research.quant.params import stored_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,17 @@ class LLM:
             sim = SimulatedExecutor(cost)
         else:
             self.model_config, self.params, self.tokenizer = load_model(model, self.dtype, seed)
-            self.params = quantize_params(self.params, quantization)
+            stored = stored_quantization(self.params)
+            if stored is None:
+                self.params = quantize_params(self.params, quantization)
+            elif quantization not in (None, stored):
+                raise ValueError(
+                    f"{model} is a pre-quantized {stored} checkpoint; quantization="
+                    f"{quantization!r} would requantize it (leave quantization unset, or "
+                    f"pass {stored!r})"
+                )
+            else:  # as vLLM: the checkpoint's own quantization
+                self.quantization = stored
         cfg = self.model_config
         self.max_model_len = cfg.max_position_embeddings if max_model_len is None else max_model_len
         if not 1 < self.max_model_len <= cfg.max_position_embeddings:

@@ -6,20 +6,25 @@ saved and restored by orbax with the model config beside them as JSON.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.util
 import json
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from research.config import ModelConfig, RopeScaling
 from research.models.transformer import Params, param_shapes
+from research.quant.hf import checkpoint_quantization, read_linear, stack_experts
+from research.quant.qtensor import QTensor
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -42,9 +47,22 @@ def smollm2_gguf_path() -> Path:
 
 
 def _to_params(tree: Any, cfg: ModelConfig, dtype: Any) -> Params:
-    """Cast a numpy tree to jax arrays of ``dtype`` and check it against the config's shapes."""
-    check_shapes(tree, param_shapes(cfg), what=f"weights for {cfg.name}")
-    return jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype=dtype), tree)
+    """Cast a numpy tree to jax arrays of ``dtype`` and check it against the config's shapes.
+    A pre-quantized weight (``QTensor``) keeps its storage dtypes and is checked by the shape of
+    the matrix it holds."""
+
+    def is_q(a: Any) -> bool:
+        return isinstance(a, QTensor)
+
+    shapes = jax.tree_util.tree_map(
+        lambda a: _ShapeTree(a.shape) if is_q(a) else a, tree, is_leaf=is_q
+    )
+    check_shapes(shapes, param_shapes(cfg), what=f"weights for {cfg.name}")
+    return jax.tree_util.tree_map(
+        lambda a: jax.tree_util.tree_map(jnp.asarray, a) if is_q(a) else jnp.asarray(a, dtype),
+        tree,
+        is_leaf=is_q,
+    )
 
 
 def check_shapes(tree: Any, expected: Any, what: str) -> None:
@@ -245,6 +263,20 @@ def config_from_hf(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
     )
 
 
+@contextlib.contextmanager
+def _numpy_float8() -> Iterator[None]:
+    """safetensors reads F8_E4M3 tensors as ``numpy.float8_e4m3fn``, a name numpy itself lacks
+    (ml_dtypes defines the type): lend it for the read."""
+    missing = not hasattr(np, "float8_e4m3fn")
+    if missing:
+        np.float8_e4m3fn = ml_dtypes.float8_e4m3fn
+    try:
+        yield
+    finally:
+        if missing:
+            del np.float8_e4m3fn
+
+
 def load_hf_safetensors(
     path: str | os.PathLike, dtype: Any = jnp.float32
 ) -> tuple[ModelConfig, Params]:
@@ -253,21 +285,29 @@ def load_hf_safetensors(
 
     path = Path(path)
     with open(path / "config.json") as fh:
-        cfg = config_from_hf(json.load(fh), name=path.name)
+        hf_config = json.load(fh)
+    cfg = config_from_hf(hf_config, name=path.name)
+    fmt = checkpoint_quantization(hf_config)
     files = sorted(glob.glob(str(path / "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
-    tensors: dict[str, np.ndarray] = {}
+    tensors: dict[str, np.ndarray] = {}  # as stored: quantized codes and scales keep their dtype
     for file in files:
-        with safe_open(file, framework="flax") as fh:
+        with _numpy_float8(), safe_open(file, framework="flax") as fh:
             for key in fh.keys():  # noqa: SIM118 (safe_open is not a dict)
-                tensors[key] = np.asarray(fh.get_tensor(key).astype(jnp.float32))
+                tensors[key] = np.asarray(fh.get_tensor(key))
 
     def t(name: str) -> np.ndarray:
         try:
-            return tensors[name]
+            return np.asarray(tensors[name], np.float32)
         except KeyError:
             raise ValueError(f"{path}: tensor {name} is missing") from None
+
+    def linear(prefix: str) -> Any:
+        try:
+            return read_linear(tensors.get, prefix, fmt, jnp.dtype(dtype).name)
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
 
     per_layer = []
     for i in range(cfg.num_layers):
@@ -275,10 +315,10 @@ def load_hf_safetensors(
         layer = {
             "attn_norm": t(p + "input_layernorm.weight"),
             "mlp_norm": t(p + "post_attention_layernorm.weight"),
-            "wq": t(p + "self_attn.q_proj.weight").T,
-            "wk": t(p + "self_attn.k_proj.weight").T,
-            "wv": t(p + "self_attn.v_proj.weight").T,
-            "wo": t(p + "self_attn.o_proj.weight").T,
+            "wq": linear(p + "self_attn.q_proj"),
+            "wk": linear(p + "self_attn.k_proj"),
+            "wv": linear(p + "self_attn.v_proj"),
+            "wo": linear(p + "self_attn.o_proj"),
         }
         if any(re.fullmatch(p + r"self_attn\.[qkv]_proj\.bias", k) for k in tensors):
             raise ValueError(f"{path}: attention biases are not supported")
@@ -291,8 +331,10 @@ def load_hf_safetensors(
             layer["router"] = t(p + "mlp.gate.weight").T
             fused = p + "mlp.experts.gate_up_proj"
             if fused in tensors:  # transformers-5 in-memory layout: [X, 2F, D] and [X, D, F]
+                if fmt is not None:
+                    raise ValueError(f"{path}: quantized experts must be stored one per expert")
                 f = cfg.moe_intermediate_size
-                gate_up = tensors[fused]
+                gate_up = t(fused)
                 layer["w_gate"] = gate_up[:, :f].transpose(0, 2, 1)
                 layer["w_up"] = gate_up[:, f:].transpose(0, 2, 1)
                 layer["w_down"] = t(p + "mlp.experts.down_proj").transpose(0, 2, 1)
@@ -302,14 +344,14 @@ def load_hf_safetensors(
                     ("w_up", "up_proj"),
                     ("w_down", "down_proj"),
                 ):
-                    layer[ours] = np.stack(
-                        [t(f"{p}mlp.experts.{e}.{theirs}.weight").T for e in range(cfg.num_experts)]
+                    layer[ours] = stack_experts(
+                        [linear(f"{p}mlp.experts.{e}.{theirs}") for e in range(cfg.num_experts)]
                     )
         else:
             layer |= {
-                "w_gate": t(p + "mlp.gate_proj.weight").T,
-                "w_up": t(p + "mlp.up_proj.weight").T,
-                "w_down": t(p + "mlp.down_proj.weight").T,
+                "w_gate": linear(p + "mlp.gate_proj"),
+                "w_up": linear(p + "mlp.up_proj"),
+                "w_down": linear(p + "mlp.down_proj"),
             }
         per_layer.append(layer)
 

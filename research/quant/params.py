@@ -36,6 +36,18 @@ def quantize_params(params: dict[str, Any], fmt: str | None) -> dict[str, Any]:
     return {**params, "layers": layers}
 
 
+def stored_quantization(params: dict[str, Any]) -> str | None:
+    """The format of the QTensors already in ``params`` (a pre-quantized checkpoint), or None."""
+    formats = {
+        leaf.fmt
+        for leaf in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QTensor))
+        if isinstance(leaf, QTensor)
+    }
+    if len(formats) > 1:
+        raise ValueError(f"the checkpoint mixes quantization formats {sorted(formats)}")
+    return formats.pop() if formats else None
+
+
 def weight_bytes(params: dict[str, Any]) -> int:
     """Bytes of every parameter as stored (packed codes, scales and zero points included)."""
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(params))
