@@ -131,7 +131,7 @@ class SchedulerConfig:
     request of the previous one has finished (the baseline continuous batching is compared to).
     """
 
-    max_num_seqs: int = 64
+    max_num_seqs: int = 256  # vLLM's default
     max_num_batched_tokens: int = 2048
     scheduling_policy: str = "continuous"  # continuous | static
     enable_chunked_prefill: bool = True

@@ -19,7 +19,7 @@ from research.config import CacheConfig, SchedulerConfig
 from research.engine.engine import Engine, kv_cache_summary
 from research.engine.kv_cache import kv_pool_bytes_per_block
 from research.engine.request import RequestOutput, SamplingParams, check_bool, check_int, check_real
-from research.models.load import load_model
+from research.models.load import auto_dtype, load_model
 from research.quant import QUANTIZATIONS, quantize_params
 from research.quant.kv import KV_DTYPES
 from research.quant.params import stored_quantization
@@ -36,9 +36,11 @@ class LLM:
     Args:
       model: preset name ("smollm2-135m", "tiny-llama", ...), a .gguf file, an HF directory
         (config.json + safetensors) or an orbax checkpoint written by ``save_checkpoint``.
-      dtype: "float32" or "bfloat16" for weights, activations and the KV cache; "auto" is the
-        checkpoint's (float32 for the dequantized GGUF and random-init presets) on the real
-        executor and bfloat16 (vLLM's default for these models) on the simulated one.
+      dtype: "float32" or "bfloat16" for weights, activations and the KV cache; "auto" (vLLM's
+        default) is the checkpoint's, with float32 and float16 checkpoints served in bfloat16
+        as vLLM does on CPU (``research.models.load.auto_dtype``): bfloat16 for the bundled GGUF
+        and HF directories, the saved dtype for orbax checkpoints, float32 for random-init
+        ``tiny-*`` presets, bfloat16 on the simulated executor.
       cost_model_options: simulated only: extra ``research.perf.CostModel`` keyword arguments
         (``moe_routing``, ``params``, ...).
       max_model_len: longest prompt + generation; defaults to the model's context length.
@@ -53,7 +55,7 @@ class LLM:
         dtype: str = "auto",
         max_model_len: int | None = None,
         seed: int = 0,
-        max_num_seqs: int = 64,
+        max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         scheduling_policy: str = "continuous",
         enable_chunked_prefill: bool = True,
@@ -68,6 +70,7 @@ class LLM:
         hardware: str | None = None,
         gpu_memory_utilization: float = 0.9,
         tensor_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
         poison_freed_blocks: bool = False,
         cost_model_options: dict[str, Any] | None = None,
     ):
@@ -76,7 +79,7 @@ class LLM:
         if not isinstance(model, str) or not model:
             raise ValueError(f"model must be a preset name or a path, got {model!r}")
         if dtype == "auto":
-            dtype = "bfloat16" if executor == "simulated" else "float32"
+            dtype = "bfloat16" if executor == "simulated" else auto_dtype(model)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
         _check_engine_args(
@@ -115,8 +118,9 @@ class LLM:
         if executor not in ("real", "simulated"):
             raise ValueError(f"executor must be 'real' or 'simulated', got {executor!r}")
         sim = None
-        if tensor_parallel_size != 1 and executor != "simulated":
-            raise ValueError("tensor_parallel_size > 1 is modelled by the simulated executor only")
+        check_bool("enable_expert_parallel", enable_expert_parallel)
+        if enable_expert_parallel and executor == "simulated":
+            raise ValueError("enable_expert_parallel is not modelled by the simulated executor")
         if executor == "simulated":
             # A cost model of `hardware` prices each step; no weights are loaded or allocated.
             from research.models.presets import get_preset
@@ -182,6 +186,15 @@ class LLM:
                 f"without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len})"
             )
+        plan = None
+        if executor == "real" and (tensor_parallel_size > 1 or enable_expert_parallel):
+            from research.parallel import ShardingPlan
+
+            plan = ShardingPlan.create(cfg, tensor_parallel_size, enable_expert_parallel)
+            if enable_expert_parallel and not cfg.is_moe:
+                raise ValueError(f"enable_expert_parallel: {cfg.name} has no experts")
+            logger.info("sharding: %s", plan.describe())
+        self.plan = plan
         self.engine = Engine(
             cfg,
             self.params,
@@ -194,8 +207,11 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype,
             seed=seed,
             poison_freed_blocks=poison_freed_blocks,
+            plan=plan,
             **(dict(executor=sim, clock=sim.clock) if sim is not None else {}),
         )
+        if plan is not None:
+            self.params = self.engine.executor.params  # placed on the mesh; no second copy
         logger.info(kv_cache_summary(self.engine.block_manager, self.max_model_len))
 
     # ------------------------------------------------------------------ public API

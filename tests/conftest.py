@@ -5,6 +5,12 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Four host devices, for the tensor- and expert-parallel tests; everything else runs on the
+# first one, as on a one-device machine.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    ).strip()
 
 import pytest
 
@@ -13,7 +19,7 @@ import pytest
 def smollm2_llm():
     from research import LLM
 
-    return LLM("smollm2-135m", max_model_len=1024)
+    return LLM("smollm2-135m", max_model_len=1024, dtype="float32")  # as the HF oracle
 
 
 @pytest.fixture(scope="session")

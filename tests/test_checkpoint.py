@@ -179,3 +179,25 @@ def test_llm_accepts_a_pathlib_checkpoint_path_and_casts_dtype(tmp_path):
     ):
         assert got.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(jnp.bfloat16)))
+
+
+def test_auto_dtype_is_the_checkpoints_as_vllm_on_cpu(tmp_path):
+    """``dtype="auto"``: an orbax checkpoint keeps the dtype it was saved in; the bundled GGUF
+    and HF directories serve in bfloat16 (vLLM maps float32 checkpoints to a 16-bit type);
+    random-init presets, with no checkpoint, use float32."""
+    import jax
+    import jax.numpy as jnp
+
+    from research.models.load import auto_dtype
+
+    llm = LLM("tiny-llama", seed=0)
+    assert llm.dtype == jnp.float32 and auto_dtype("tiny-llama") == "float32"
+    as_bf16 = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), llm.params)
+    path = save_checkpoint(tmp_path / "bf16", as_bf16, llm.model_config)
+    assert auto_dtype(path) == "bfloat16"
+    assert LLM(str(path)).dtype == jnp.bfloat16
+    assert auto_dtype(save_checkpoint(tmp_path / "f32", llm.params, llm.model_config)) == "float32"
+    assert auto_dtype("smollm2-135m") == "bfloat16"
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    assert auto_dtype(tmp_path / "hf") == "bfloat16"

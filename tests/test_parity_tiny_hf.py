@@ -119,7 +119,7 @@ def test_logits_match_hf(saved_model):
 
 def test_greedy_generation_matches_hf(saved_model):
     _, model, path = saved_model
-    llm = LLM(str(path))
+    llm = LLM(str(path), dtype="float32")  # as the HF oracle ("auto" would serve bfloat16)
     rng = np.random.RandomState(2)
     prompts = [rng.randint(0, 512, size=n).tolist() for n in (5, 17, 33, 64)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))

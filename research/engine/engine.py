@@ -59,10 +59,12 @@ class Engine:
         poison_freed_blocks: bool = False,
         clock: Callable[[], float] = time.perf_counter,
         executor: Any = None,
+        plan: Any = None,
     ):
         """``executor``: an object with ``ModelExecutor``'s ``execute`` / ``poison_blocks`` /
         ``num_compilations`` (e.g. ``research.perf.simulated.SimulatedExecutor``) to use instead
-        of running ``params`` here; the pool size then comes from ``cache_config.num_kv_blocks``."""
+        of running ``params`` here; the pool size then comes from ``cache_config.num_kv_blocks``.
+        ``plan``: a ``research.parallel.ShardingPlan`` (tensor / expert parallel)."""
         self.model_config = cfg
         self.tokenizer = tokenizer
         self.cache_config = cache_config or CacheConfig()
@@ -92,6 +94,7 @@ class Engine:
             attention_backend=attention_backend,
             kv_cache_dtype=kv_cache_dtype,
             kv_fill_value=float("nan") if poison_freed_blocks else 0.0,
+            plan=plan,
         )
         # Timestamps in RequestMetrics come from ``clock`` (a simulated executor's virtual clock
         # replaces it); step and device times below are always real wall-clock seconds.

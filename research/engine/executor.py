@@ -70,7 +70,7 @@ class StepBatch:
     prompt_targets: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend"))
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "plan"))
 def model_step(
     params: Params,
     pool: KVPool,
@@ -78,6 +78,7 @@ def model_step(
     *,
     cfg: ModelConfig,
     backend: str,
+    plan: Any = None,
 ) -> tuple[list[jax.Array], list[jax.Array], jax.Array, jax.Array, dict[str, jax.Array]]:
     """Forward + sample. Returns new K/V per layer ([N, K, E], for ``write_kv``), the sampled
     token per row [R], the gap between each row's two largest logits [R], and log-probabilities:
@@ -92,6 +93,7 @@ def model_step(
         batch.token_col,
         batch.row_positions,
         backend=backend,
+        plan=plan,
     )
     hidden, cache = forward(params, cfg, batch.tokens[None], batch.positions[None], cache, backend)
     logits = compute_logits(params, cfg, hidden[0, batch.logits_index])  # [R, V]
@@ -182,7 +184,7 @@ def context_bucket(n: int, minimum: int, maximum: int) -> int:
 
 
 def _spec(a: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(a.shape, a.dtype)
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
 
 
 def bucket(n: int, minimum: int, maximum: int) -> int:
@@ -256,7 +258,10 @@ class ModelExecutor:
         attention_backend: str = "xla",
         kv_cache_dtype: str = "auto",
         kv_fill_value: float = 0.0,
+        plan: Any = None,
     ):
+        """``plan``: a ``research.parallel.ShardingPlan`` to split the parameters and the KV pool
+        over its devices (tensor / expert parallel); None runs on one device."""
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}"
@@ -272,12 +277,25 @@ class ModelExecutor:
         self.pool = init_kv_pool(
             cfg, num_blocks, cache.block_size, dtype, kv_fill_value, kv_cache_dtype
         )
+        self.plan = plan
+        self._write_kv, self._copy_blocks, self._fill_blocks = _write_kv, _copy_blocks, _fill_blocks
+        if plan is not None:
+            self.params = plan.place_params(params)
+            self.pool = plan.place_pool(self.pool)
+            # The pool keeps its split through every in-place update.
+            keep = plan.pool_shardings(self.pool)
+            self._write_kv = jax.jit(write_kv, donate_argnums=0, out_shardings=keep)
+            self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0, out_shardings=keep)
+            self._fill_blocks = jax.jit(
+                fill_blocks, donate_argnums=0, static_argnums=2, out_shardings=keep
+            )
         self.step_shapes: set[tuple[int, ...]] = set()  # (N, R, T, M) of every call run
         # Serving: a call whose shape is not compiled runs padded to the cheapest compiled shape
         # that holds it (a "cover") while its own shape compiles on a background thread; the
         # step never waits for a compile when a cover exists (``precompile_covers``).
         self.compile_in_background = False
         self._background: dict[tuple[int, ...], Any] = {}  # shape -> jax Compiled
+        self._writes: dict[int, Any] = {}  # N -> compiled K/V write of N packed tokens
         self._pending: set[tuple[int, ...]] = set()
         self._lock = threading.Lock()
         self._compiler: ThreadPoolExecutor | None = None
@@ -294,7 +312,7 @@ class ModelExecutor:
         t0 = time.perf_counter()
         if plan.block_copies:
             src, dst = zip(*plan.block_copies, strict=True)
-            self.pool = _copy_blocks(
+            self.pool = self._copy_blocks(
                 self.pool, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)
             )
         result = StepResult({}, {}, 0.0, 0.0)
@@ -355,10 +373,44 @@ class ModelExecutor:
         return sorted(shapes)
 
     def precompile_covers(self, progress: bool = False) -> int:
-        """Compile ``cover_shapes`` and serve from then on without compiling inside a step."""
-        n = self.precompile(self.cover_shapes(), progress=progress)
+        """Compile ``cover_shapes`` ahead of time and serve from then on without compiling
+        inside a step. The covers are compiled, not run: the largest (max_num_seqs rows over the
+        longest context) would take gigabytes to execute once."""
+        todo = sorted(set(self.cover_shapes()) - self.step_shapes)
+        for i, shape in enumerate(todo):
+            t0 = time.perf_counter()
+            self._store(shape, *self._compile(shape))
+            if progress:
+                print(
+                    f"  compiled {i + 1}/{len(todo)}: N={shape[0]} R={shape[1]} T={shape[2]} "
+                    f"M={shape[3]} ({time.perf_counter() - t0:.1f} s)",
+                    flush=True,
+                )
         self.compile_in_background = True
-        return n
+        return len(todo)
+
+    def _compile(self, shape: tuple[int, int, int, int]) -> tuple[Any, Any]:
+        """Ahead-of-time executables of the step and of its K/V write for ``shape``."""
+        spec = functools.partial(jax.tree_util.tree_map, _spec)
+        batch = self._padding_batch(*shape)
+        lowered = model_step.lower(
+            spec(self.params),
+            spec(self.pool),
+            batch,
+            cfg=self.cfg,
+            backend=self.backend,
+            plan=self.plan,
+        )
+        new_k, new_v = (list(map(_spec, kv)) for kv in lowered.out_info[:2])
+        slots = jax.ShapeDtypeStruct((shape[0],), jnp.int32)
+        write = self._write_kv.lower(spec(self.pool), new_k, new_v, slots).compile()
+        return lowered.compile(), write
+
+    def _store(self, shape: tuple[int, int, int, int], step: Any, write: Any) -> None:
+        with self._lock:
+            self._background[shape] = step
+            self._writes.setdefault(shape[0], write)
+            self.step_shapes.add(shape)
 
     def _cover(self, shape: tuple[int, int, int, int]) -> tuple[int, ...] | None:
         """The cheapest compiled shape at least as large as ``shape`` in every dimension."""
@@ -378,17 +430,7 @@ class ModelExecutor:
 
     def _compile_in_background(self, shape: tuple[int, int, int, int]) -> None:
         try:
-            spec = functools.partial(jax.tree_util.tree_map, _spec)
-            compiled = model_step.lower(
-                spec(self.params),
-                spec(self.pool),
-                self._padding_batch(*shape),
-                cfg=self.cfg,
-                backend=self.backend,
-            ).compile()
-            with self._lock:
-                self._background[shape] = compiled
-                self.step_shapes.add(shape)
+            self._store(shape, *self._compile(shape))
         except Exception:  # the covering shape keeps serving; the next miss retries
             logger.exception("background compile of step shape %s failed", shape)
         finally:
@@ -406,9 +448,9 @@ class ModelExecutor:
             t0 = time.perf_counter()
             batch = self._padding_batch(n, r, t, m)
             new_k, new_v, sampled, _, _ = model_step(
-                self.params, self.pool, batch, cfg=self.cfg, backend=self.backend
+                self.params, self.pool, batch, cfg=self.cfg, backend=self.backend, plan=self.plan
             )
-            self.pool = _write_kv(self.pool, new_k, new_v, np.full(n, pad_slot, np.int32))
+            self.pool = self._write_kv(self.pool, new_k, new_v, np.full(n, pad_slot, np.int32))
             np.asarray(sampled)
             with self._lock:
                 self.step_shapes.add((n, r, t, m))
@@ -483,14 +525,15 @@ class ModelExecutor:
         with self._lock:
             self.step_shapes.add(shape)
             compiled = self._background.get(shape)
+            write = self._writes.get(n, self._write_kv)
         t0 = time.perf_counter()
         if compiled is not None:
             new_k, new_v, sampled, gaps, lps = compiled(self.params, self.pool, batch)
         else:
             new_k, new_v, sampled, gaps, lps = model_step(
-                self.params, self.pool, batch, cfg=self.cfg, backend=self.backend
+                self.params, self.pool, batch, cfg=self.cfg, backend=self.backend, plan=self.plan
             )
-        self.pool = _write_kv(self.pool, new_k, new_v, slots)
+        self.pool = write(self.pool, new_k, new_v, slots)
         sampled, gaps = np.asarray(sampled), np.asarray(gaps)
         want = {i for i, p in enumerate(params) if p.logprobs is not None}
         if want:
@@ -515,4 +558,4 @@ class ModelExecutor:
     def poison_blocks(self, block_ids: list[int], value: float = float("nan")) -> None:
         """Fill blocks with ``value`` (isolation tests: freed memory must never be read)."""
         if block_ids:
-            self.pool = _fill_blocks(self.pool, jnp.asarray(block_ids, jnp.int32), value)
+            self.pool = self._fill_blocks(self.pool, jnp.asarray(block_ids, jnp.int32), value)

@@ -13,6 +13,7 @@ E = head_dim, H = query heads.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,6 +163,7 @@ class PagedKVCache:
     new_k: list[jax.Array] = field(default_factory=list)  # per layer [N, K, E]
     new_v: list[jax.Array] = field(default_factory=list)
     backend: str = field(default="xla", metadata=dict(static=True))
+    plan: Any = field(default=None, metadata=dict(static=True))  # research.parallel.ShardingPlan
 
     def update_and_attend(
         self,
@@ -182,6 +184,10 @@ class PagedKVCache:
             return grid.at[self.token_row, self.token_col].set(x, mode="drop")
 
         attend = _gather_attention if self.backend == "xla" else _kernel_attention
+        if self.plan is not None and self.plan.size > 1:
+            from research.parallel.ops import sharded_attention
+
+            attend = functools.partial(sharded_attention, self.plan, attend)
         out = attend(
             unpack(q[0]),
             unpack(k_new[0]),

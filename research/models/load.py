@@ -13,6 +13,7 @@ from research.config import ModelConfig
 from research.models.presets import PRESETS, get_preset
 from research.models.transformer import Params, init_params
 from research.models.weights import (
+    checkpoint_dtype,
     is_checkpoint,
     load_gguf,
     load_hf_safetensors,
@@ -23,6 +24,21 @@ from research.tokenizer import Tokenizer
 
 # Presets whose real weights ship with a Python package.
 _BUNDLED_GGUF = {"smollm2-135m": smollm2_gguf_path}
+
+
+def auto_dtype(model: str | os.PathLike) -> str:
+    """vLLM's ``dtype="auto"`` on this CPU backend: the checkpoint's dtype, with float32 and
+    float16 checkpoints served in bfloat16 (vLLM maps float32 models to a 16-bit type, and
+    XLA:CPU has no fast float16). So: bfloat16 for the bundled GGUF (Q4_1, dequantized) and for
+    HF directories; an orbax checkpoint keeps the dtype it was saved in; random-init ``tiny-*``
+    presets, which have no checkpoint, use float32."""
+    name = str(model)
+    if name in PRESETS and name not in _BUNDLED_GGUF:
+        return "float32"
+    path = Path(name)
+    if path.is_dir() and is_checkpoint(path):
+        return checkpoint_dtype(path)
+    return "bfloat16"
 
 
 def load_model(

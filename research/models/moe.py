@@ -10,6 +10,8 @@ F = expert MLP width, R = routed rows (N * A).
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -60,20 +62,46 @@ def moe_mlp(
     top_k: int,
     norm_topk_prob: bool,
     backend: str = "xla",
+    plan: Any = None,
 ) -> jax.Array:
-    """x [N, D] -> [N, D]. Expert weights: w_gate, w_up [E, D, F]; w_down [E, F, D]."""
-    num_experts = w_gate.shape[0]
-    weights, experts = route(x, w_router, top_k, norm_topk_prob)  # [N, A]
+    """x [N, D] -> [N, D]. Expert weights: w_gate, w_up [E, D, F]; w_down [E, F, D].
 
+    With an expert-parallel ``plan`` (``research.parallel.ShardingPlan``) each device holds E/n
+    experts and runs the rows routed to them; the partial outputs are summed over the devices
+    (the tokens are replicated there, as after tensor-parallel attention)."""
+    weights, experts = route(x, w_router, top_k, norm_topk_prob)  # [N, A]
+    if plan is not None and plan.expert_parallel and plan.size > 1:
+        from research.parallel.ops import expert_parallel
+
+        return expert_parallel(plan, _experts, x, weights, experts, w_gate, w_up, w_down, backend)
+    return _experts(x, weights, experts, w_gate, w_up, w_down, backend)
+
+
+def _experts(
+    x: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    w_gate: jax.Array | QTensor,
+    w_up: jax.Array | QTensor,
+    w_down: jax.Array | QTensor,
+    backend: str,
+) -> jax.Array:
+    """The routed rows through the experts held here: ``experts`` [N, A] index ``w_*``'s
+    leading axis; an id outside [0, E) (an expert held elsewhere) skips its row."""
+    num_experts, top_k = w_gate.shape[0], experts.shape[-1]
     flat_experts = experts.reshape(-1)  # [R]
+    here = (flat_experts >= 0) & (flat_experts < num_experts)
+    flat_experts = jnp.where(here, flat_experts, num_experts)  # rows held elsewhere sort last
     order = jnp.argsort(flat_experts, stable=True)  # rows grouped by expert
     token_of_row = order // top_k  # [R] which token each sorted row came from
-    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)  # [E]
+    # [E]: rows of the experts held here; the rows sorted after them get no group (zeros)
+    group_sizes = jnp.bincount(flat_experts, length=num_experts + 1)[:num_experts]
+    group_sizes = group_sizes.astype(jnp.int32)
 
     xs = x[token_of_row]  # [R, D]
     h = jax.nn.silu(grouped_matmul(xs, w_gate, group_sizes, backend)) * grouped_matmul(
         xs, w_up, group_sizes, backend
     )  # [R, F]
     ys = grouped_matmul(h, w_down, group_sizes, backend)  # [R, D]
-    row_weight = weights.reshape(-1)[order].astype(ys.dtype)  # [R]
+    row_weight = jnp.where(here, weights.reshape(-1), 0.0)[order].astype(ys.dtype)  # [R]
     return jnp.zeros_like(x).at[token_of_row].add(ys * row_weight[:, None])

@@ -163,6 +163,7 @@ def _layer(
             top_k=cfg.num_experts_per_tok,
             norm_topk_prob=cfg.norm_topk_prob,
             backend=backend,
+            plan=getattr(cache, "plan", None),  # expert parallelism rides on the paged cache
         ).reshape(b, t, d)
     else:
         mlp = swiglu(hidden, lp["w_gate"], lp["w_up"], lp["w_down"], backend)

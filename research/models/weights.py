@@ -389,6 +389,15 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
     return (Path(path) / _CONFIG_FILE).exists() and (Path(path) / _PARAMS_DIR).is_dir()
 
 
+def checkpoint_dtype(path: str | os.PathLike) -> str:
+    """The dtype an orbax checkpoint's embedding was saved in ("float32" or "bfloat16")."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:
+        meta = ckptr.metadata(Path(path).absolute() / _PARAMS_DIR).item_metadata.tree
+    return str(np.dtype(meta["embed"].dtype))
+
+
 def restore_checkpoint(
     path: str | os.PathLike, cfg: ModelConfig | None = None
 ) -> tuple[ModelConfig, Params]:
