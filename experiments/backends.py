@@ -36,26 +36,30 @@ class EngineBackend:
 
         m, q, s, c = run.model, run.quantization, run.scheduler, run.cache
         self.simulated = run.executor.kind == "simulated"
-        sim = {}
+        extra: dict = {}  # LLM arguments of the executor kind
         if self.simulated:
-            sim = dict(
+            extra = dict(
                 executor="simulated",
                 hardware=run.hardware.name,
                 gpu_memory_utilization=run.hardware.gpu_memory_utilization,
                 tensor_parallel_size=run.hardware.tensor_parallel_size,
                 cost_model_options={"moe_routing": run.hardware.moe_routing},
             )
-        elif run.hardware.tensor_parallel_size > 1 or run.hardware.num_replicas > 1:
-            raise ValueError("several boxes (TP or replicas) are modelled by executor=simulated")
+        elif run.hardware.num_replicas > 1:
+            raise ValueError("replicas are modelled by executor=simulated")
         else:
             from research.engine.compile_cache import enable_compilation_cache
 
             enable_compilation_cache(run.executor.compilation_cache_dir)
+            extra = dict(
+                tensor_parallel_size=run.hardware.tensor_parallel_size,
+                enable_expert_parallel=run.hardware.enable_expert_parallel,
+            )
 
         def make_llm() -> LLM:
             return LLM(
                 m.model,
-                **sim,
+                **extra,
                 dtype=m.dtype,
                 max_model_len=m.max_model_len,
                 seed=m.seed,

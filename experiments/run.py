@@ -47,6 +47,10 @@ def main(cfg: DictConfig) -> None:
     run = run_config_from(cfg)
     overrides = list(HydraConfig.get().overrides.task)
     run = model_override(run, overrides)
+    if run.executor.kind != "simulated":
+        from research.parallel.devices import request_host_devices
+
+        request_host_devices(run.hardware.tensor_parallel_size)  # before JAX starts
     out_dir = run.output_dir or HydraConfig.get().runtime.output_dir
     run_experiment(run, out_dir, job_name=job_name(run, overrides))
 

@@ -217,7 +217,10 @@ class HardwareConfig:
 
     name: str = "host"
     gpu_memory_utilization: float = 0.9
-    tensor_parallel_size: int = 1  # simulated: boxes one model is split across (TP)
+    # Devices one model is split across (TP): boxes when simulated; on the real executor, this
+    # machine's devices (on a CPU, XLA host devices; see research.parallel)
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # real: MoE experts split over those devices
     num_replicas: int = 1  # simulated: independent boxes behind a random router (DP)
     moe_routing: str = "sequence_locality"  # simulated: research.perf.routing.ROUTING_LAWS
 

@@ -132,7 +132,7 @@ def test_configurations_that_do_not_divide_are_refused(model, kwargs, message):
 def test_a_plan_needs_its_devices():
     from research.models.presets import get_preset
 
-    with pytest.raises(ValueError, match="needs 2 devices; JAX sees 1.*device_count=2"):
+    with pytest.raises(ValueError, match=r"needs 2 devices; JAX sees 1.*device_count=2"):
         ShardingPlan.create(get_preset("tiny-llama"), 2, devices=jax.devices()[:1])
 
 

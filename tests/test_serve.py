@@ -416,7 +416,7 @@ def test_tokenize_and_detokenize_as_vllm(server, smollm2_llm):
     [
         (["tiny-llama", "--model", "smollm2-135m"], "two models given"),
         (["tiny-llama", "--gpu-memory-utilization", "0.9"], "--kv-cache-memory-bytes"),
-        (["tiny-llama", "--tensor-parallel-size", "2"], "simulator only"),
+        (["tiny-llama", "--tensor-parallel-size", "3"], "does not divide num_heads"),
     ],
 )
 def test_serve_cli_takes_the_model_positionally_and_says_what_vllm_flags_mean_here(

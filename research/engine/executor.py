@@ -163,9 +163,19 @@ _copy_blocks = jax.jit(copy_blocks, donate_argnums=0)
 _fill_blocks = jax.jit(fill_blocks, donate_argnums=0, static_argnums=2)
 
 
+def to_host(x: jax.Array) -> np.ndarray:
+    """A step output on the host. Across processes (``jax.distributed``) the outputs are
+    replicated on every device, so this process's own copy is the whole value."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    if not x.is_fully_replicated:
+        raise ValueError(f"a step output is split across processes: {x.sharding}")
+    return np.asarray(x.addressable_data(0))
+
+
 def _raw(lps: dict[str, jax.Array], kind: str) -> tuple[np.ndarray, ...]:
     return tuple(
-        np.asarray(lps[f"{kind}_{k}"]) for k in ("logprob", "rank", "top_ids", "top_logprobs")
+        to_host(lps[f"{kind}_{k}"]) for k in ("logprob", "rank", "top_ids", "top_logprobs")
     )
 
 
@@ -451,7 +461,7 @@ class ModelExecutor:
                 self.params, self.pool, batch, cfg=self.cfg, backend=self.backend, plan=self.plan
             )
             self.pool = self._write_kv(self.pool, new_k, new_v, np.full(n, pad_slot, np.int32))
-            np.asarray(sampled)
+            to_host(sampled)
             with self._lock:
                 self.step_shapes.add((n, r, t, m))
             if progress:
@@ -534,7 +544,7 @@ class ModelExecutor:
                 self.params, self.pool, batch, cfg=self.cfg, backend=self.backend, plan=self.plan
             )
         self.pool = write(self.pool, new_k, new_v, slots)
-        sampled, gaps = np.asarray(sampled), np.asarray(gaps)
+        sampled, gaps = to_host(sampled), to_host(gaps)
         want = {i for i, p in enumerate(params) if p.logprobs is not None}
         if want:
             sample_lps = _raw(lps, "sample")

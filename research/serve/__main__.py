@@ -13,6 +13,28 @@ import argparse
 from research.engine.compile_cache import DEFAULT_CACHE_DIR
 
 
+def _llm(model: str, args: argparse.Namespace) -> object:
+    """The engine the flags describe (vLLM's names)."""
+    from research.llm import LLM
+
+    return LLM(
+        model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        attention_backend=args.attention_backend,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m research.serve", description=__doc__)
     parser.add_argument(
@@ -57,7 +79,12 @@ def main(argv: list[str] | None = None) -> None:
         "--kv-cache-memory-bytes or --num-kv-blocks)",
     )
     parser.add_argument(
-        "--tensor-parallel-size", type=int, default=1, help="1 (more is simulated only)"
+        "--tensor-parallel-size", type=int, default=1, help="devices one model is split over"
+    )
+    parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="MoE: split the experts over the tensor-parallel devices instead of their width",
     )
     parser.add_argument(
         "--enforce-eager",
@@ -79,11 +106,9 @@ def main(argv: list[str] | None = None) -> None:
             "--gpu-memory-utilization sizes vLLM's KV pool from a GPU's memory; this engine "
             "sizes it with --kv-cache-memory-bytes or --num-kv-blocks"
         )
-    if args.tensor_parallel_size != 1:
-        parser.error(
-            "--tensor-parallel-size > 1 runs in the simulator only "
-            "(python -m experiments.run executor=simulated hardware.tensor_parallel_size=2)"
-        )
+    from research.parallel.devices import request_host_devices
+
+    request_host_devices(args.tensor_parallel_size)  # on a CPU: one XLA device per shard
 
     import logging
 
@@ -93,25 +118,14 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     from research.engine.compile_cache import enable_compilation_cache
-    from research.llm import LLM
     from research.serve.app import create_app
 
     enable_compilation_cache(args.compilation_cache_dir or None)
 
-    llm = LLM(
-        model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-        attention_backend=args.attention_backend,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-    )
+    try:
+        llm = _llm(model, args)
+    except ValueError as error:  # a configuration this model cannot take: say why, exit 2
+        parser.error(str(error))
     if not args.enforce_eager:
         # As vLLM captures its CUDA graphs: every later call runs on a compiled shape at once
         # (padded to a covering one until its own shape has compiled in the background).
