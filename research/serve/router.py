@@ -1,0 +1,307 @@
+"""Data parallelism: N engine replicas (``research.serve`` processes) behind one
+OpenAI-compatible endpoint.
+
+``python -m research.serve.router MODEL --num-replicas 2 --routing least_loaded [--cpus-per-replica
+1] [server flags]`` starts the replicas on ports after ``--port`` (each pinned to its own CPU cores
+when ``--cpus-per-replica`` is given), waits until each answers ``/health``, and serves ``--port``
+itself. ``--replica-url`` (repeatable) routes to servers already running instead.
+
+Routing of ``/v1/completions`` and ``/v1/chat/completions`` (streamed or not, passed through as
+they are, status and body):
+
+- ``random``: a seeded uniform choice;
+- ``least_loaded``: the replica with the fewest requests in flight through this router (ties to
+  the one that has had fewest requests);
+- ``prefix_aware``: the replica a rendezvous hash of the prompt's first ``prefix_chars``
+  characters picks, so requests sharing a prefix meet that replica's prefix cache, unless its
+  load exceeds the least loaded replica's by more than ``balance_threshold`` (then least
+  loaded), as SGLang's cache-aware router balances.
+
+A replica that fails or cannot be reached answers with a 502 naming it; the others keep serving.
+``GET /router/stats`` reports requests routed, in flight now and in flight on average (over
+time, since the first request or ``POST /router/reset``) per replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+ROUTING = ("random", "least_loaded", "prefix_aware")
+
+
+@dataclass
+class Replica:
+    url: str
+    in_flight: int = 0
+    routed: int = 0
+
+
+@dataclass
+class Router:
+    """The routing decision, apart from HTTP (a pure function of the replicas' loads)."""
+
+    replicas: list[Replica]
+    policy: str = "least_loaded"
+    seed: int = 0
+    prefix_chars: int = 256
+    balance_threshold: int = 4
+    # (time, in-flight count per replica) after every change: the load over the run
+    history: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTING:
+            raise ValueError(f"routing must be one of {ROUTING}, got {self.policy!r}")
+        if not self.replicas:
+            raise ValueError("a router needs at least one replica")
+        self._rng = random.Random(self.seed)
+
+    def choose(self, prefix: str) -> Replica:
+        # ties go to the replica that has had fewest requests, then the lowest index
+        least = min(self.replicas, key=lambda r: (r.in_flight, r.routed))
+        if self.policy == "random":
+            return self._rng.choice(self.replicas)
+        if self.policy == "least_loaded":
+            return least
+        key = prefix[: self.prefix_chars].encode()
+        best = max(self.replicas, key=lambda r: hashlib.sha256(key + r.url.encode()).digest())
+        if best.in_flight - least.in_flight > self.balance_threshold:
+            return least
+        return best
+
+    def start(self, replica: Replica) -> None:
+        replica.in_flight += 1
+        replica.routed += 1
+        self._record()
+
+    def done(self, replica: Replica) -> None:
+        replica.in_flight -= 1
+        self._record()
+
+    def _record(self) -> None:
+        self.history.append((time.monotonic(), tuple(r.in_flight for r in self.replicas)))
+
+    def reset(self) -> None:
+        """Start the counters and the load history afresh (between benchmark points)."""
+        for r in self.replicas:
+            r.routed = 0
+        self.history = []
+        self._record()
+
+    def mean_in_flight(self) -> list[float]:
+        """Each replica's requests in flight, averaged over the time since the first request."""
+        if len(self.history) < 2:
+            return [float(r.in_flight) for r in self.replicas]
+        total = [0.0] * len(self.replicas)
+        for (t0, loads), (t1, _) in zip(self.history, self.history[1:], strict=False):
+            for i, load in enumerate(loads):
+                total[i] += load * (t1 - t0)
+        span = self.history[-1][0] - self.history[0][0]
+        return [x / span if span > 0 else 0.0 for x in total]
+
+    def stats(self) -> dict:
+        means = self.mean_in_flight()
+        return {
+            "routing": self.policy,
+            "replicas": [
+                {"url": r.url, "in_flight": r.in_flight, "routed": r.routed, "mean_in_flight": m}
+                for r, m in zip(self.replicas, means, strict=True)
+            ],
+        }
+
+
+def prompt_prefix(body: dict) -> str:
+    """The text a request starts with: its prompt, or its chat messages in order."""
+    if "messages" in body:
+        return json.dumps(body.get("messages"), sort_keys=True)[:4096]
+    prompt = body.get("prompt")
+    return prompt if isinstance(prompt, str) else json.dumps(prompt)[:4096]
+
+
+def create_router_app(router: Router, timeout: float = 600.0) -> FastAPI:
+    client: dict[str, httpx.AsyncClient] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
+        client["c"] = httpx.AsyncClient(timeout=timeout, limits=limits)
+        yield
+        await client["c"].aclose()
+
+    app = FastAPI(title="research router", lifespan=lifespan)
+    app.state.router = router
+
+    async def forward(request: Request, path: str) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = {}
+        replica = router.choose(prompt_prefix(body if isinstance(body, dict) else {}))
+        router.start(replica)
+        headers = {
+            k: v
+            for k, v in request.headers.items()
+            if k.lower() in ("authorization", "content-type")
+        }
+        req = client["c"].build_request(
+            "POST", f"{replica.url}{path}", content=raw, headers=headers
+        )
+        try:
+            upstream = await client["c"].send(req, stream=True)
+        except httpx.HTTPError as error:
+            router.done(replica)
+            return JSONResponse(
+                {"error": {"message": f"replica {replica.url} failed: {error}", "type": "router"}},
+                status_code=502,
+            )
+        media = upstream.headers.get("content-type", "application/json")
+        if not media.startswith("text/event-stream"):
+            try:
+                content = await upstream.aread()
+            finally:
+                await upstream.aclose()
+                router.done(replica)
+            return Response(content, status_code=upstream.status_code, media_type=media)
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            finally:  # finished, failed or the client left: the replica sees the close too
+                await upstream.aclose()
+                router.done(replica)
+
+        return StreamingResponse(relay(), status_code=upstream.status_code, media_type=media)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await forward(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await forward(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        r = await client["c"].get(f"{router.replicas[0].url}/v1/models")
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        for replica in router.replicas:
+            try:
+                r = await client["c"].get(f"{replica.url}/health", timeout=5)
+            except httpx.HTTPError:
+                return Response(status_code=503)
+            if r.status_code != 200:
+                return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/router/stats")
+    async def stats() -> dict:
+        return router.stats()
+
+    @app.post("/router/reset")
+    async def reset() -> dict:
+        router.reset()
+        return router.stats()
+
+    return app
+
+
+def start_replicas(
+    server_args: list[str], num: int, base_port: int, cpus_per_replica: int | None
+) -> tuple[list[subprocess.Popen], list[str]]:
+    """``python -m research.serve`` ``num`` times on ports base_port+1.., each pinned to its own
+    ``cpus_per_replica`` cores (Linux) when given."""
+    procs, urls = [], []
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    for i in range(num):
+        port = base_port + 1 + i
+        cmd = [sys.executable, "-m", "research.serve", *server_args, "--port", str(port)]
+        preexec = None
+        if cpus_per_replica:
+            mine = cores[i * cpus_per_replica : (i + 1) * cpus_per_replica]
+            if len(mine) < cpus_per_replica:
+                raise ValueError(
+                    f"{num} replicas x {cpus_per_replica} cores need {num * cpus_per_replica} "
+                    f"cores; this process may use {len(cores)}"
+                )
+            preexec = _pin(mine)
+        procs.append(subprocess.Popen(cmd, preexec_fn=preexec))
+        urls.append(f"http://127.0.0.1:{port}")
+    return procs, urls
+
+
+def _pin(cores: list[int]):
+    def pin() -> None:
+        os.sched_setaffinity(0, cores)
+
+    return pin
+
+
+def wait_healthy(urls: list[str], procs: list[subprocess.Popen], timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    pending = set(urls)
+    while pending:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"a replica exited with status {proc.returncode} at start")
+        for url in list(pending):
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    pending.discard(url)
+            except httpx.HTTPError:
+                pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"replicas not healthy after {timeout:.0f} s: {sorted(pending)}")
+        time.sleep(0.5)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m research.serve.router", description=__doc__)
+    parser.add_argument("--num-replicas", type=int, default=2)
+    parser.add_argument("--routing", default="least_loaded", choices=ROUTING)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--cpus-per-replica", type=int, default=None)
+    parser.add_argument("--replica-url", action="append", default=[], help="route to these")
+    parser.add_argument("--seed", type=int, default=0)
+    args, server_args = parser.parse_known_args(argv)
+    if args.num_replicas < 1:
+        parser.error("--num-replicas must be >= 1")
+    procs: list[subprocess.Popen] = []
+    urls = args.replica_url
+    if not urls:
+        procs, urls = start_replicas(
+            server_args, args.num_replicas, args.port, args.cpus_per_replica
+        )
+    try:
+        wait_healthy(urls, procs)
+        import uvicorn
+
+        router = Router([Replica(u) for u in urls], args.routing, seed=args.seed)
+        uvicorn.run(create_router_app(router), host=args.host, port=args.port)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Replicas behind one endpoint: the routing policies, and two ``research.serve`` processes
+behind ``python -m research.serve.router`` serving 64 concurrent streams with none lost."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from research.serve.router import Replica, Router
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_least_loaded_picks_the_emptiest_replica():
+    router = Router([Replica("a"), Replica("b"), Replica("c")], "least_loaded")
+    picks = []
+    for _ in range(6):
+        r = router.choose("")
+        router.start(r)
+        picks.append(r.url)
+    assert picks == ["a", "b", "c", "a", "b", "c"]
+    router.done(router.replicas[1])
+    assert router.choose("").url == "b"
+    a, b, _ = router.replicas
+    router.done(a)
+    router.start(b)
+    router.done(b)  # a and b both at 1 in flight; a has had fewer requests (2 against 3)
+    assert (a.in_flight, b.in_flight, a.routed, b.routed) == (1, 1, 2, 3)
+    assert router.choose("") is a
+
+
+def test_prefix_aware_keeps_a_prefix_on_one_replica_until_it_is_overloaded():
+    router = Router([Replica(str(i)) for i in range(4)], "prefix_aware", balance_threshold=2)
+    system = "You are a helpful assistant. " * 10  # 280 characters, past the 256 hashed
+    home = router.choose(system + "Question 1")
+    assert all(router.choose(system + f"Question {i}") is home for i in range(20))
+    others = {router.choose(f"prompt {i}").url for i in range(40)}
+    assert len(others) == 4  # different prefixes spread over every replica
+    for _ in range(3):
+        router.start(home)
+    assert router.choose(system + "Question 1") is not home  # 3 more in flight than the least
+
+
+def test_random_routing_is_seeded():
+    a = Router([Replica("a"), Replica("b")], "random", seed=3)
+    b = Router([Replica("a"), Replica("b")], "random", seed=3)
+    assert [a.choose("").url for _ in range(20)] == [b.choose("").url for _ in range(20)]
+    with pytest.raises(ValueError, match="routing must be one of"):
+        Router([Replica("a")], "round_robin")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _stream(client: httpx.AsyncClient, url: str, i: int) -> tuple[int, int, bool]:
+    body = {
+        "model": "tiny-llama",
+        "prompt": [3 + i % 50, 4, 5, 6, 7, 8],
+        "max_tokens": 6 + i % 5,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    tokens, done = 0, False
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return r.status_code, 0, False
+        async for line in r.aiter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                usage = json.loads(line[6:]).get("usage")
+                tokens = usage["completion_tokens"] if usage else tokens
+    return 200, tokens, done
+
+
+def test_two_replica_processes_behind_the_router_lose_nothing():
+    port = _free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "research.serve.router",
+        "tiny-llama",
+        "--num-replicas",
+        "2",
+        "--routing",
+        "least_loaded",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "128",
+        "--max-num-seqs",
+        "64",
+        "--enforce-eager",
+    ]
+    router = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert router.poll() is None, router.stderr.read()[-3000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the router did not come up"
+            time.sleep(0.5)
+
+        async def burst() -> list[tuple[int, int, bool]]:
+            async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as c:
+                return await asyncio.gather(*(_stream(c, url, i) for i in range(64)))
+
+        results = asyncio.run(burst())
+        assert [r[0] for r in results] == [200] * 64
+        assert all(done and tokens == 6 + i % 5 for i, (_, tokens, done) in enumerate(results))
+        stats = httpx.get(f"{url}/router/stats").json()
+        routed = [r["routed"] for r in stats["replicas"]]
+        assert sum(routed) == 64 and abs(routed[0] - routed[1]) <= 1  # least loaded: even
+        assert [r["in_flight"] for r in stats["replicas"]] == [0, 0]
+        httpx.post(f"{url}/router/reset")
+
+        async def closed_loop() -> list[tuple[int, int, bool]]:
+            """32 clients, each sending its next request when the last one ends."""
+            async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=32)) as c:
+
+                async def client(k: int) -> list[tuple[int, int, bool]]:
+                    return [await _stream(c, url, k * 4 + j) for j in range(4)]
+
+                return [r for rs in await asyncio.gather(*map(client, range(32))) for r in rs]
+
+        assert [r[0] for r in asyncio.run(closed_loop())] == [200] * 128
+        stats = httpx.get(f"{url}/router/stats").json()
+        a, b = (r["mean_in_flight"] for r in stats["replicas"])
+        assert abs(a - b) <= 1.0, stats  # the busier replica carried at most one more request
+    finally:
+        router.terminate()
+        router.wait(timeout=120)
