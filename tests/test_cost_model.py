@@ -263,3 +263,39 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="never above a peak"):
         CostParams(1.2, 0.0)
     assert math.isfinite(CostModel(QWEN, None, "h200").step_time(StepShape.decode(256, 4096)))
+
+
+def test_tensor_parallel_pricing_reads_the_engines_sharding_plan():
+    """The simulator splits each operator as ``SplitPlan`` (the real engine's rules table)
+    splits its weights: with 2 kv heads, TP=4 halves the KV read again no further than TP=2
+    (kv heads are replicated past 2) while the query-head, MLP and vocabulary work keeps
+    halving; the collectives are exactly the plan's (two all-reduces per layer, one after the
+    embedding, an all-gather of the logits), and norms are not split."""
+    from research.parallel.plan import SplitPlan
+
+    long_decode = StepShape(tuple((1, 4000) for _ in range(32)))
+    one, two, four = (
+        CostModel("tiny-llama", None, "gb10", tensor_parallel_size=n).breakdown(long_decode)
+        for n in (1, 2, 4)
+    )
+    models = {n: CostModel("tiny-llama", None, "gb10", tensor_parallel_size=n) for n in (2, 4)}
+    attn = {n: m.price(m.work(long_decode)[0])["attention"] for n, m in models.items()}
+    assert attn[4]["memory_s"] == attn[2]["memory_s"]  # K/V split 2 ways at both
+    assert attn[4]["compute_s"] == pytest.approx(attn[2]["compute_s"] / 2)  # query heads 4
+    assert four["attention_bytes"] == two["attention_bytes"] == one["attention_bytes"]
+    model = models[4]
+    assert model.split.ways("kv_heads") == 2 and model.split.ways("q_heads") == 4
+    assert four["lm_head_s"] < two["lm_head_s"] < one["lm_head_s"]
+    assert four["elementwise_s"] == one["elementwise_s"]  # replicated
+    plan = SplitPlan.for_model(model.cfg, 4)
+    assert [(c.kind, c.after, c.per) for c in plan.collectives(model.cfg)] == [
+        ("all_reduce", "wo", "layer"),
+        ("all_reduce", "w_down", "layer"),
+        ("all_reduce", "embed", "step"),
+        ("all_gather", "lm_head", "step"),
+    ]
+    latency = model.allreduce_latency_s
+    assert four["allreduce_s"] > (2 * model.cfg.num_layers + 2) * latency
+    assert one["allreduce_s"] == 0.0
+    with pytest.raises(ValueError, match="does not divide num_heads"):
+        CostModel("smollm2-135m", None, "gb10", tensor_parallel_size=2)

@@ -1,5 +1,19 @@
-"""Tensor and expert parallelism on JAX's own sharding (``ShardingPlan``)."""
+"""Tensor and expert parallelism on JAX's own sharding.
 
-from research.parallel.sharding import ShardingPlan, check_divisible, valid_sizes
+``plan`` (no JAX): the logical axes, the rules table, ``SplitPlan`` and its collectives;
+``sharding``: ``ShardingPlan``, which places parameters and the KV pool on a device mesh;
+``ops``: the ``shard_map`` parts of the step; ``launch``: one model across processes with
+``jax.distributed``."""
 
-__all__ = ["ShardingPlan", "check_divisible", "valid_sizes"]
+from research.parallel.plan import SplitPlan, check_divisible, valid_sizes
+
+
+def __getattr__(name: str):
+    if name == "ShardingPlan":
+        from research.parallel.sharding import ShardingPlan
+
+        return ShardingPlan
+    raise AttributeError(name)
+
+
+__all__ = ["ShardingPlan", "SplitPlan", "check_divisible", "valid_sizes"]

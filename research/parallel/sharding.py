@@ -25,88 +25,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from research.config import ModelConfig
+from research.parallel.plan import (
+    KV_PAGE_AXES,
+    KV_SCALE_AXES,
+    MESH_AXES,
+    check_divisible,
+    param_axes,
+    rules,
+)
 from research.quant.qtensor import QTensor
-
-MESH_AXES = ("tp_kv", "tp_q")
-TP = MESH_AXES  # "split over every tensor-parallel device"
-
-# Logical axes of every parameter, by its key; weights are [in, out], stacked experts lead.
-PARAM_AXES: dict[str, tuple[str, ...]] = {
-    "embed": ("vocab", "embed"),
-    "lm_head": ("embed", "vocab"),
-    "final_norm": ("embed",),
-    "attn_norm": ("embed",),
-    "mlp_norm": ("embed",),
-    "q_norm": ("head_dim",),
-    "k_norm": ("head_dim",),
-    "wq": ("embed", "q_heads"),
-    "wk": ("embed", "kv_heads"),
-    "wv": ("embed", "kv_heads"),
-    "wo": ("q_heads", "embed"),
-    "w_gate": ("embed", "ffn"),
-    "w_up": ("embed", "ffn"),
-    "w_down": ("ffn", "embed"),
-    "router": ("embed", "router_experts"),
-}
-MOE_AXES: dict[str, tuple[str, ...]] = {
-    "w_gate": ("experts", "embed", "expert_ffn"),
-    "w_up": ("experts", "embed", "expert_ffn"),
-    "w_down": ("experts", "expert_ffn", "embed"),
-}
-# KV pages [K, B, P, E'] and their scales [K, B, P] (quantized KV), every layer.
-KV_PAGE_AXES = ("kv_heads", "blocks", "block_tokens", "head_dim")
-KV_SCALE_AXES = ("kv_heads", "blocks", "block_tokens")
-
-
-def rules(expert_parallel: bool) -> dict[str, tuple[str, ...]]:
-    """Logical axis -> mesh axes it is split over; axes not named here are replicated."""
-    return {
-        "vocab": TP,
-        "q_heads": TP,
-        "ffn": TP,
-        "kv_heads": ("tp_kv",),
-        "experts": TP if expert_parallel else (),
-        "expert_ffn": () if expert_parallel else TP,
-    }
-
-
-def valid_sizes(cfg: ModelConfig, expert_parallel: bool, limit: int = 64) -> list[int]:
-    """Every tensor-parallel size up to ``limit`` that splits the model evenly."""
-    return [n for n in range(1, limit + 1) if _problem(cfg, n, expert_parallel) is None]
-
-
-def check_divisible(cfg: ModelConfig, n: int, expert_parallel: bool) -> None:
-    """ValueError naming the first dimension ``n`` devices cannot split evenly, and the sizes
-    that would."""
-    if n < 1:
-        raise ValueError(f"tensor_parallel_size must be >= 1, got {n}")
-    problem = _problem(cfg, n, expert_parallel)
-    if problem is not None:
-        raise ValueError(
-            f"tensor_parallel_size={n} {problem}; sizes that split every dimension of "
-            f"{cfg.name}: {valid_sizes(cfg, expert_parallel)}"
-        )
-
-
-def _problem(cfg: ModelConfig, n: int, expert_parallel: bool) -> str | None:
-    checks = [("num_heads (query heads)", cfg.num_heads), ("vocab_size", cfg.vocab_size)]
-    if cfg.is_moe:
-        if expert_parallel:
-            checks.append(("num_experts", cfg.num_experts))
-        else:
-            checks.append(("moe_intermediate_size", cfg.moe_intermediate_size))
-    else:
-        checks.append(("intermediate_size", cfg.intermediate_size))
-    for name, size in checks:
-        if size % n:
-            return f"does not divide {name}={size}"
-    k = cfg.num_kv_heads
-    if k % n and n % k:
-        return (
-            f"and num_kv_heads={k}: one must divide the other (kv heads are split, or "
-            "replicated when there are fewer than devices)"
-        )
-    return None
 
 
 @dataclass(frozen=True)
@@ -155,11 +82,7 @@ class ShardingPlan:
     # ------------------------------------------------------------------ parameters
 
     def param_axes(self, key: str, ndim: int) -> tuple[str, ...]:
-        if ndim == 3 and key in MOE_AXES:
-            return MOE_AXES[key]
-        if key not in PARAM_AXES:
-            raise ValueError(f"parameter {key!r} has no logical axes in the sharding rules")
-        return PARAM_AXES[key]
+        return param_axes(key, ndim)
 
     def param_shardings(self, params: Any) -> Any:
         """A pytree of NamedSharding matching ``params`` (a QTensor's storage is split along the

@@ -7,7 +7,7 @@ tokens and pages read, query-key pairs) and prices every kernel class on its own
 
     op_time  = max(op_bytes / (bandwidth_efficiency * hw.achievable_bandwidth),
                    op_flops / op_throughput)                       (per operator class)
-    step     = sum(op_time) / tp + allreduce + per_step_overhead_s + per_seq_overhead_s * seqs
+    step     = sum(op_time / split) + collectives + per_step_overhead_s + per_seq_overhead_s * seqs
 
 Operator classes (``CostModel.breakdown`` keeps each one's bytes, FLOPs and seconds):
 
@@ -28,8 +28,13 @@ Operator classes (``CostModel.breakdown`` keeps each one's bytes, FLOPs and seco
   over the float32 logits.
 - ``elementwise``: norms, RoPE, residual adds, the SwiGLU product, the embedding rows:
   ``ELEMENTWISE_BYTES_PER_ELEMENT`` bytes per token, hidden element and layer. Memory bound.
-- ``allreduce`` (tensor parallel over ``tp`` boxes): two ring all-reduces per layer of
-  ``tokens * hidden`` activations over the interconnect, plus a fixed latency each.
+- tensor parallel over ``tp`` boxes reads the same ``research.parallel.plan.SplitPlan`` the real
+  engine places its arrays by: each operator's bytes and FLOPs are divided by how many ways the
+  rules split its weights (query heads, kv heads, MLP width, experts, vocabulary; norms and
+  elementwise work are replicated), and the step pays the collectives the plan lists (ring
+  all-reduces of ``tokens * hidden`` after attention's output and the MLP's down projection in
+  every layer and after the embedding, an all-gather of the logits) over the interconnect, plus
+  a fixed latency each (``allreduce_s``).
 
 GEMM throughput depends on the weight format (``gemm_format``): bf16 / fp16 / fp8 W8A8 / native
 FP4 (NVFP4, MXFP4 where the machine has an FP4 tensor path) feed the tensor cores directly and run
@@ -52,6 +57,7 @@ from typing import Any
 
 from research.config import QUANTIZATION_CHOICES, ModelConfig
 from research.models.shapes import param_shapes
+from research.parallel.plan import SplitPlan
 from research.perf.hardware import Hardware, get_hardware
 from research.perf.kv_capacity import (
     dtype_bytes,
@@ -218,6 +224,7 @@ class CostModel:
         tensor_parallel_size: int = 1,
         allreduce_latency_s: float = ALLREDUCE_LATENCY_S,
         block_size: int = 16,
+        expert_parallel: bool = False,
     ) -> None:
         if quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}")
@@ -243,6 +250,7 @@ class CostModel:
             allreduce_latency_s,
             block_size,
         )
+        self.split = SplitPlan.for_model(self.cfg, tensor_parallel_size, expert_parallel)
         self.compute_dtype, self.dequantizes = gemm_format(quantization, self.hw, dtype)
         self.peak_flops = self.hw.sustained_flops(self.compute_dtype)
         self.kv_bytes_per_token = kv_bytes_per_token(self.cfg, kv_cache_dtype, dtype)
@@ -260,6 +268,7 @@ class CostModel:
 
         self.dense_layer_bytes = 0  # all layers, non-expert weights
         self.dense_layer_params = 0
+        self.dense_bytes_per_device = 0.0  # the same, each weight divided as the plan splits it
         self.dense_io_elements = 0  # in + out activation elements per token, all dense GEMMs
         self.expert_bytes_per_layer: list[int] = []  # one expert's gate+up+down, per layer
         self.expert_params = 0  # one expert's params (per layer)
@@ -272,6 +281,8 @@ class CostModel:
                 else:
                     self.dense_layer_bytes += stored(key, shape)
                     self.dense_layer_params += math.prod(shape)
+                    ways = self.split.param_ways(key, len(shape))
+                    self.dense_bytes_per_device += stored(key, shape) / ways
                     if len(shape) == 2:
                         self.dense_io_elements += sum(shape)
             if cfg.is_moe:
@@ -367,9 +378,20 @@ class CostModel:
             bw,
             bf16,
         )
+        # How many ways the plan splits each operator's (bytes, FLOPs) over the devices.
+        sp = self.split
+        dense = self.dense_layer_bytes / self.dense_bytes_per_device
+        splits = {
+            "dense_gemm": (dense, dense),
+            "expert_gemm": (sp.ways("experts") * sp.ways("expert_ffn"),) * 2,
+            "attention": (sp.ways("kv_heads"), sp.ways("q_heads")),
+            "lm_head": (sp.ways("vocab"),) * 2,
+            "elementwise": (1, 1),
+        }
         out = {}
         for name, (nbytes, flops, band, rate) in ops.items():
-            mem, comp = nbytes / band / self.tp, flops / rate / self.tp
+            mem_ways, flop_ways = splits[name]
+            mem, comp = nbytes / band / mem_ways, flops / rate / flop_ways
             out[name] = {"bytes": nbytes, "flops": flops, "memory_s": mem, "compute_s": comp}
             out[name]["s"] = max(mem, comp)
         return out
@@ -379,7 +401,7 @@ class CostModel:
         ``<op>_s``; the sums ``bytes_total`` and ``flops_total``; ``kernels_s`` (sum over
         operators and calls), ``allreduce_s``, ``overhead_s`` and
         ``total_s == kernels_s + allreduce_s + overhead_s``."""
-        cfg, p = self.cfg, self.params
+        p = self.params
         calls = self.work(shape)
         out: dict[str, Any] = {
             f"{op}_{x}": 0.0 for op in OPERATORS for x in ("bytes", "flops", "s")
@@ -390,12 +412,7 @@ class CostModel:
                 for x in ("bytes", "flops", "s"):
                     out[f"{op}_{x}"] += v[x]
                 bound["memory" if v["memory_s"] >= v["compute_s"] else "compute"] += v["s"]
-        comm = 0.0
-        if self.tp > 1:
-            for w in calls:
-                buffer = w.tokens * cfg.hidden_size * self.act_bytes
-                per = 2 * (self.tp - 1) / self.tp * buffer / self.hw.interconnect_bandwidth
-                comm += 2 * cfg.num_layers * (per + self.allreduce_latency_s)
+        comm = sum(self.collective_time(w) for w in calls)
         kernels = sum(out[f"{op}_s"] for op in OPERATORS)
         overhead = p.per_step_overhead_s + p.per_seq_overhead_s * shape.num_seqs
         experts = self.distinct_experts(tuple(n for n, _ in shape.seqs))
@@ -412,6 +429,20 @@ class CostModel:
             "overhead_s": overhead,
             "total_s": kernels + comm + overhead,
         }
+
+    def collective_time(self, w: StepWork) -> float:
+        """Seconds of the plan's collectives for one call: a ring all-reduce moves
+        2 (n - 1) / n of its buffer over the interconnect, an all-gather (n - 1) / n."""
+        n, total = self.tp, 0.0
+        for c in self.split.collectives(self.cfg):
+            rows = w.tokens if c.unit == "token" else w.logits_rows
+            elem = self.act_bytes if c.unit == "token" else 4  # logits are float32
+            share = (2 if c.kind == "all_reduce" else 1) * (n - 1) / n
+            seconds = share * rows * c.width * elem / self.hw.interconnect_bandwidth
+            total += (self.cfg.num_layers if c.per == "layer" else 1) * (
+                seconds + self.allreduce_latency_s
+            )
+        return total
 
     def step_time(self, shape: StepShape) -> float:
         """Seconds the step takes."""
@@ -437,6 +468,7 @@ class CostModel:
             tensor_parallel_size=self.tp,
             allreduce_latency_s=self.allreduce_latency_s,
             block_size=self.block_size,
+            expert_parallel=self.split.expert_parallel,
         )
 
 

@@ -317,9 +317,10 @@ def kv_capacity(
     ``max_num_batched_tokens`` / ``max_num_seqs`` are given. A ValueError gives the numbers when
     the weights and activations do not fit in the budget or not even one block is left.
 
-    With ``tensor_parallel_size`` = N boxes, each holds 1/N of the weights and of every token's
-    KV (heads are split) and the activation estimate is split likewise (an approximation: the
-    embedding and norms are in fact replicated). Tokens are the pool of the whole group.
+    With ``tensor_parallel_size`` = N boxes, each holds 1/N of the weights, the share of every
+    token's KV its kv heads make (``research.parallel.plan.SplitPlan``: 1/N, or 1/kv_heads when
+    N exceeds them and kv heads are replicated) and 1/N of the activation estimate (an
+    approximation: norms are in fact replicated). Tokens are the pool of the whole group.
     """
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
@@ -329,8 +330,11 @@ def kv_capacity(
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
+    from research.parallel.plan import SplitPlan
+
+    split = SplitPlan.for_model(cfg, tensor_parallel_size)
     weights = weight_bytes(cfg, quantization, dtype) / tensor_parallel_size
-    per_token = kv_bytes_per_token(cfg, kv_cache_dtype, dtype) / tensor_parallel_size
+    per_token = kv_bytes_per_token(cfg, kv_cache_dtype, dtype) / split.ways("kv_heads")
     if activation_bytes is None:
         default_tokens, default_seqs = vllm_batch_defaults(hw)
         activation_bytes = (
