@@ -84,7 +84,9 @@ class EngineBackend:
             engines = [self.engine] + [
                 make_llm().engine for _ in range(run.hardware.num_replicas - 1)
             ]
-            self.engine = ReplicaRouter(engines, seed=run.workload.seed)
+            self.engine = ReplicaRouter(
+                engines, seed=run.workload.seed, routing=run.hardware.routing
+            )
         cfg = self.llm.model_config
         self.model_id = m.model
         engine_name = f"simulated-{run.hardware.name}" if self.simulated else "ours"

@@ -221,7 +221,8 @@ class HardwareConfig:
     # machine's devices (on a CPU, XLA host devices; see research.parallel)
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False  # real: MoE experts split over those devices
-    num_replicas: int = 1  # simulated: independent boxes behind a random router (DP)
+    num_replicas: int = 1  # simulated: independent boxes behind a router (DP)
+    routing: str = "random"  # simulated replicas: random | least_loaded | prefix_aware
     moe_routing: str = "sequence_locality"  # simulated: research.perf.routing.ROUTING_LAWS
 
     def __post_init__(self) -> None:

@@ -12,11 +12,11 @@ a 70B model is simulated on a laptop. The KV pool is sized by vLLM's formula on 
 from __future__ import annotations
 
 import heapq
-import random
 import time
 from typing import Any
 
 from research.engine.executor import StepResult
+from research.parallel.replicas import Replica, Router
 from research.perf.cost_model import CostModel, StepShape, step_shape_from_plan
 
 SYNTHETIC_TOKEN = 0
@@ -71,9 +71,10 @@ class SimulatedExecutor:
 
 
 class ReplicaRouter:
-    """N independent simulated boxes behind a random router (data parallelism), as one engine
-    for the benchmark driver: ``add_request`` sends each request to a replica chosen uniformly
-    at random (seeded), ``step`` advances a discrete-event simulation.
+    """N independent simulated boxes behind a router (data parallelism), as one engine for the
+    benchmark driver: ``add_request`` sends each request to the replica ``routing`` picks (the
+    policies of the real router, ``research.parallel.replicas``: random by default, seeded),
+    ``step`` advances a discrete-event simulation.
 
     Each replica has its own virtual clock. A step runs the busy replica whose clock is earliest
     (its next step starts then); its outputs are held until the router's clock reaches their
@@ -81,11 +82,12 @@ class ReplicaRouter:
     right moment. An idle replica that receives a request first catches up to the present.
     """
 
-    def __init__(self, engines: list[Any], seed: int = 0):
+    def __init__(self, engines: list[Any], seed: int = 0, routing: str = "random"):
         if not engines:
             raise ValueError("a router needs at least one replica")
         self.engines = engines
-        self._rng = random.Random(seed)
+        self.router = Router([Replica(str(i)) for i in range(len(engines))], routing, seed=seed)
+        self._owner: dict[str, int] = {}  # request id -> replica index
         self._now = 0.0
         self._held: list[tuple[float, int, Any]] = []  # (time, tiebreak, RequestOutput) heap
         self._count = 0
@@ -104,18 +106,23 @@ class ReplicaRouter:
         prompt: str | None = None,
         arrival_time: float | None = None,
     ) -> str:
-        engine = self._rng.choice(self.engines)
+        prefix = " ".join(map(str, list(prompt_token_ids)[:64]))
+        index = int(self.router.choose(prefix).url)
+        engine = self.engines[index]
         clock = engine.executor.clock
         clock.now = max(clock.now, self._now)
         request_id = request_id or f"router-{self._count}"
         self._count += 1
-        return engine.add_request(
+        rid = engine.add_request(
             prompt_token_ids,
             sampling_params,
             request_id=request_id,
             prompt=prompt,
             arrival_time=self._now if arrival_time is None else arrival_time,
         )
+        self.router.start(self.router.replicas[index])
+        self._owner[rid] = index
+        return rid
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._held) or any(e.has_unfinished_requests() for e in self.engines)
@@ -136,7 +143,10 @@ class ReplicaRouter:
             return []
         released = []
         while self._held and self._held[0][0] <= self._now:
-            released.append(heapq.heappop(self._held)[2])
+            out = heapq.heappop(self._held)[2]
+            if out.finished and out.request_id in self._owner:
+                self.router.done(self.router.replicas[self._owner.pop(out.request_id)])
+            released.append(out)
         return released
 
     def stats(self) -> dict[str, Any]:

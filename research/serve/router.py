@@ -6,16 +6,9 @@ OpenAI-compatible endpoint.
 when ``--cpus-per-replica`` is given), waits until each answers ``/health``, and serves ``--port``
 itself. ``--replica-url`` (repeatable) routes to servers already running instead.
 
-Routing of ``/v1/completions`` and ``/v1/chat/completions`` (streamed or not, passed through as
-they are, status and body):
-
-- ``random``: a seeded uniform choice;
-- ``least_loaded``: the replica with the fewest requests in flight through this router (ties to
-  the one that has had fewest requests);
-- ``prefix_aware``: the replica a rendezvous hash of the prompt's first ``prefix_chars``
-  characters picks, so requests sharing a prefix meet that replica's prefix cache, unless its
-  load exceeds the least loaded replica's by more than ``balance_threshold`` (then least
-  loaded), as SGLang's cache-aware router balances.
+``/v1/completions`` and ``/v1/chat/completions`` (streamed or not) pass through as they are,
+status and body, to the replica the policy picks (``research.parallel.replicas``: random,
+least_loaded, prefix_aware), counting requests in flight through this router.
 
 A replica that fails or cannot be reached answers with a 502 naming it; the others keep serving.
 ``GET /router/stats`` reports requests routed, in flight now and in flight on average (over
@@ -25,102 +18,21 @@ time, since the first request or ``POST /router/reset``) per replica.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import random
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-ROUTING = ("random", "least_loaded", "prefix_aware")
+from research.parallel.replicas import ROUTING, Replica, Router
 
-
-@dataclass
-class Replica:
-    url: str
-    in_flight: int = 0
-    routed: int = 0
-
-
-@dataclass
-class Router:
-    """The routing decision, apart from HTTP (a pure function of the replicas' loads)."""
-
-    replicas: list[Replica]
-    policy: str = "least_loaded"
-    seed: int = 0
-    prefix_chars: int = 256
-    balance_threshold: int = 4
-    # (time, in-flight count per replica) after every change: the load over the run
-    history: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.policy not in ROUTING:
-            raise ValueError(f"routing must be one of {ROUTING}, got {self.policy!r}")
-        if not self.replicas:
-            raise ValueError("a router needs at least one replica")
-        self._rng = random.Random(self.seed)
-
-    def choose(self, prefix: str) -> Replica:
-        # ties go to the replica that has had fewest requests, then the lowest index
-        least = min(self.replicas, key=lambda r: (r.in_flight, r.routed))
-        if self.policy == "random":
-            return self._rng.choice(self.replicas)
-        if self.policy == "least_loaded":
-            return least
-        key = prefix[: self.prefix_chars].encode()
-        best = max(self.replicas, key=lambda r: hashlib.sha256(key + r.url.encode()).digest())
-        if best.in_flight - least.in_flight > self.balance_threshold:
-            return least
-        return best
-
-    def start(self, replica: Replica) -> None:
-        replica.in_flight += 1
-        replica.routed += 1
-        self._record()
-
-    def done(self, replica: Replica) -> None:
-        replica.in_flight -= 1
-        self._record()
-
-    def _record(self) -> None:
-        self.history.append((time.monotonic(), tuple(r.in_flight for r in self.replicas)))
-
-    def reset(self) -> None:
-        """Start the counters and the load history afresh (between benchmark points)."""
-        for r in self.replicas:
-            r.routed = 0
-        self.history = []
-        self._record()
-
-    def mean_in_flight(self) -> list[float]:
-        """Each replica's requests in flight, averaged over the time since the first request."""
-        if len(self.history) < 2:
-            return [float(r.in_flight) for r in self.replicas]
-        total = [0.0] * len(self.replicas)
-        for (t0, loads), (t1, _) in zip(self.history, self.history[1:], strict=False):
-            for i, load in enumerate(loads):
-                total[i] += load * (t1 - t0)
-        span = self.history[-1][0] - self.history[0][0]
-        return [x / span if span > 0 else 0.0 for x in total]
-
-    def stats(self) -> dict:
-        means = self.mean_in_flight()
-        return {
-            "routing": self.policy,
-            "replicas": [
-                {"url": r.url, "in_flight": r.in_flight, "routed": r.routed, "mean_in_flight": m}
-                for r, m in zip(self.replicas, means, strict=True)
-            ],
-        }
+__all__ = ["ROUTING", "Replica", "Router", "create_router_app", "main"]
 
 
 def prompt_prefix(body: dict) -> str:
