@@ -4,6 +4,7 @@ OpenAI-compatible server over HTTP, behind one ``Backend`` interface (``make_bac
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -45,8 +46,6 @@ class EngineBackend:
                 tensor_parallel_size=run.hardware.tensor_parallel_size,
                 cost_model_options={"moe_routing": run.hardware.moe_routing},
             )
-        elif run.hardware.num_replicas > 1:
-            raise ValueError("replicas are modelled by executor=simulated")
         else:
             from research.engine.compile_cache import enable_compilation_cache
 
@@ -278,8 +277,74 @@ class HTTPBackend:
         return {}
 
 
+class ReplicasBackend(HTTPBackend):
+    """``hardware.num_replicas`` real engines on this machine: ``research.serve.router`` starts
+    them as processes (each pinned to its share of the cores) behind one endpoint with
+    ``hardware.routing``; the points are measured over HTTP as ``executor=http`` measures."""
+
+    def __init__(self, run: RunConfig):
+        import atexit
+        import os
+        import socket
+        import subprocess
+        import sys
+
+        import httpx
+
+        s, c, m, q, h = run.scheduler, run.cache, run.model, run.quantization, run.hardware
+        if s.scheduling_policy != "continuous" or not s.enable_chunked_prefill:
+            raise ValueError("replicas run the server's continuous batching with chunked prefill")
+        if not c.enable_prefix_caching:
+            raise ValueError("replicas run the server, whose prefix cache is on")
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        flags = [
+            m.model, "--port", str(port), "--num-replicas", str(h.num_replicas),
+            "--routing", h.routing, "--dtype", m.dtype,
+            "--max-num-seqs", str(s.max_num_seqs),
+            "--max-num-batched-tokens", str(s.max_num_batched_tokens),
+            "--block-size", str(c.block_size), "--kv-cache-dtype", q.kv_cache_dtype,
+            "--attention-backend", run.executor.attention_backend,
+            "--kv-cache-memory-bytes", str(c.kv_cache_memory_bytes), "--seed", str(m.seed),
+        ]  # fmt: skip
+        if m.max_model_len:
+            flags += ["--max-model-len", str(m.max_model_len)]
+        if c.num_kv_blocks:
+            flags += ["--num-kv-blocks", str(c.num_kv_blocks)]
+        if q.quantization:
+            flags += ["--quantization", q.quantization]
+        cores = len(os.sched_getaffinity(0))
+        if cores >= h.num_replicas:
+            flags += ["--cpus-per-replica", str(cores // h.num_replicas)]
+        self.process = subprocess.Popen([sys.executable, "-m", "research.serve.router", *flags])
+        atexit.register(self.close)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 1800
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the replicas exited with status {self.process.returncode}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("the replicas did not come up in 30 minutes")
+            time.sleep(1)
+        e = dataclasses.replace(run.executor, base_url=url, label=f"ours-x{h.num_replicas}")
+        super().__init__(dataclasses.replace(run, executor=e))
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=120)
+
+
 def make_backend(run: RunConfig) -> Backend:
     kind = run.executor.kind
+    if kind == "real" and run.hardware.num_replicas > 1:
+        return ReplicasBackend(run)
     if kind in ("real", "simulated"):
         if kind == "simulated" and run.hardware.name == "host":
             raise ValueError("the simulated executor models a named machine: hardware=gb10|h200")

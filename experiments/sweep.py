@@ -258,6 +258,8 @@ def run_experiment(
                         f"    {point['num_preemptions']} preemptions: concurrency {c} needs more "
                         "KV cache than the pool holds (requests were recomputed, none lost)"
                     )
+            if close := getattr(backend, "close", None):  # replica processes stop here
+                close()
         table = format_table(points, TABLE_COLUMNS)
         (out_dir / "table.md").write_text(table + "\n")
         write_csv(points, out_dir / "results.csv")

@@ -62,6 +62,7 @@ def test_two_processes_match_one(tmp_path):
     results = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, results, strict=True):
         assert p.returncode == 0, err[-3000:]
+
     def reported(out: str) -> list[dict]:  # Gloo prints its own lines too
         return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 

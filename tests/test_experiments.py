@@ -359,3 +359,34 @@ def test_preemptions_are_said(tmp_path, caplog):
     said = f"{point['num_preemptions']} preemptions: concurrency 8 needs more KV cache"
     assert said in caplog.text
     assert "maximum concurrency for 64-token requests: 3.0x" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("override", "label"),
+    [("hardware.tensor_parallel_size=2", "ours-tp2"), ("hardware.num_replicas=2", "ours-x2")],
+)
+def test_real_tensor_parallel_and_replicas_run_from_hydra(override, label, tmp_path):
+    """On this machine: TP over two XLA host devices (requested before JAX starts), and two
+    replica processes behind the router, measured over HTTP; nothing lost in either."""
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.run",
+        "model=tiny_llama",
+        override,
+        "model.max_model_len=64",
+        "experiment.concurrencies=[1,4]",
+        "experiment.prompts_per_concurrency=2",
+        "workload.input_len=16",
+        "workload.output_len=8",
+        "tracking=disabled",
+        f"output_dir={out}",
+        f"hydra.run.dir={tmp_path / 'hydra'}",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    points = read_results(out / "results.jsonl")
+    assert [p["completed"] for p in points] == [2, 8]
+    assert all(p["failed"] == 0 and p["label"].startswith(label) for p in points)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 ROUTING = ("random", "least_loaded", "prefix_aware")
@@ -38,6 +39,7 @@ class Router:
     balance_threshold: int = 4
     # (time, in-flight count per replica) after every change: the load over the run
     history: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
+    clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING:
@@ -69,7 +71,7 @@ class Router:
         self._record()
 
     def _record(self) -> None:
-        self.history.append((time.monotonic(), tuple(r.in_flight for r in self.replicas)))
+        self.history.append((self.clock(), tuple(r.in_flight for r in self.replicas)))
 
     def reset(self) -> None:
         """Start the counters and the load history afresh (between benchmark points)."""
@@ -89,10 +91,25 @@ class Router:
         span = self.history[-1][0] - self.history[0][0]
         return [x / span if span > 0 else 0.0 for x in total]
 
-    def stats(self) -> dict:
+    def balanced_fraction(self, within: int = 1, min_in_flight: int = 0) -> float:
+        """The share of the time since the first request (or ``reset``) during which the busiest
+        replica had at most ``within`` more requests in flight than the least busy one, counting
+        only the time with at least ``min_in_flight`` requests in flight in all (a closed loop's
+        steady state, without its ramp-up and drain)."""
+        total = balanced = 0.0
+        for (t0, loads), (t1, _) in zip(self.history, self.history[1:], strict=False):
+            if sum(loads) < min_in_flight:
+                continue
+            total += t1 - t0
+            if max(loads) - min(loads) <= within:
+                balanced += t1 - t0
+        return balanced / total if total > 0 else 1.0
+
+    def stats(self, min_in_flight: int = 0) -> dict:
         means = self.mean_in_flight()
         return {
             "routing": self.policy,
+            "balanced_fraction": self.balanced_fraction(1, min_in_flight),
             "replicas": [
                 {"url": r.url, "in_flight": r.in_flight, "routed": r.routed, "mean_in_flight": m}
                 for r, m in zip(self.replicas, means, strict=True)

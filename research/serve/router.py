@@ -2,7 +2,7 @@
 OpenAI-compatible endpoint.
 
 ``python -m research.serve.router MODEL --num-replicas 2 --routing least_loaded [--cpus-per-replica
-1] [server flags]`` starts the replicas on ports after ``--port`` (each pinned to its own CPU cores
+1] [server flags]`` starts the replicas on free ports (each pinned to its own CPU cores
 when ``--cpus-per-replica`` is given), waits until each answers ``/health``, and serves ``--port``
 itself. ``--replica-url`` (repeatable) routes to servers already running instead.
 
@@ -11,8 +11,10 @@ status and body, to the replica the policy picks (``research.parallel.replicas``
 least_loaded, prefix_aware), counting requests in flight through this router.
 
 A replica that fails or cannot be reached answers with a 502 naming it; the others keep serving.
-``GET /router/stats`` reports requests routed, in flight now and in flight on average (over
-time, since the first request or ``POST /router/reset``) per replica.
+``GET /router/stats[?min_in_flight=N]`` reports requests routed, in flight now and in flight on
+average (over time, since the first request or ``POST /router/reset``) per replica, and the
+share of the time the busiest replica had at most one request more than the least busy one
+(counting only the time with at least N in flight in all).
 """
 
 from __future__ import annotations
@@ -124,8 +126,8 @@ def create_router_app(router: Router, timeout: float = 600.0) -> FastAPI:
         return Response(status_code=200)
 
     @app.get("/router/stats")
-    async def stats() -> dict:
-        return router.stats()
+    async def stats(min_in_flight: int = 0) -> dict:
+        return router.stats(min_in_flight)
 
     @app.post("/router/reset")
     async def reset() -> dict:
@@ -135,17 +137,25 @@ def create_router_app(router: Router, timeout: float = 600.0) -> FastAPI:
     return app
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def start_replicas(
-    server_args: list[str], num: int, base_port: int, cpus_per_replica: int | None
+    server_args: list[str], num: int, cpus_per_replica: int | None
 ) -> tuple[list[subprocess.Popen], list[str]]:
-    """``python -m research.serve`` ``num`` times on ports base_port+1.., each pinned to its own
+    """``python -m research.serve`` ``num`` times on free ports, each pinned to its own
     ``cpus_per_replica`` cores (Linux) when given."""
     procs, urls = [], []
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     for i in range(num):
-        port = base_port + 1 + i
+        port = _free_port()
         cmd = [sys.executable, "-m", "research.serve", *server_args, "--port", str(port)]
-        preexec = None
+        mine: list[int] = []
         if cpus_per_replica:
             mine = cores[i * cpus_per_replica : (i + 1) * cpus_per_replica]
             if len(mine) < cpus_per_replica:
@@ -153,17 +163,26 @@ def start_replicas(
                     f"{num} replicas x {cpus_per_replica} cores need {num * cpus_per_replica} "
                     f"cores; this process may use {len(cores)}"
                 )
-            preexec = _pin(mine)
+        preexec = _child_setup(mine)
         procs.append(subprocess.Popen(cmd, preexec_fn=preexec))
         urls.append(f"http://127.0.0.1:{port}")
     return procs, urls
 
 
-def _pin(cores: list[int]):
-    def pin() -> None:
-        os.sched_setaffinity(0, cores)
+def _child_setup(cores: list[int]):
+    """In the replica, before it starts: die with the router (uvicorn ends the router by
+    re-raising SIGTERM, so no cleanup code of ours would run), and keep to ``cores``."""
 
-    return pin
+    def setup() -> None:
+        if sys.platform == "linux":
+            import ctypes
+            import signal
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if cores:
+            os.sched_setaffinity(0, cores)
+
+    return setup
 
 
 def wait_healthy(urls: list[str], procs: list[subprocess.Popen], timeout: float = 900) -> None:
@@ -199,9 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     procs: list[subprocess.Popen] = []
     urls = args.replica_url
     if not urls:
-        procs, urls = start_replicas(
-            server_args, args.num_replicas, args.port, args.cpus_per_replica
-        )
+        procs, urls = start_replicas(server_args, args.num_replicas, args.cpus_per_replica)
     try:
         wait_healthy(urls, procs)
         import uvicorn
