@@ -44,6 +44,7 @@ class EngineBackend:
                 hardware=run.hardware.name,
                 gpu_memory_utilization=run.hardware.gpu_memory_utilization,
                 tensor_parallel_size=run.hardware.tensor_parallel_size,
+                enable_expert_parallel=run.hardware.enable_expert_parallel,
                 cost_model_options={"moe_routing": run.hardware.moe_routing},
             )
         else:

@@ -220,7 +220,7 @@ class HardwareConfig:
     # Devices one model is split across (TP): boxes when simulated; on the real executor, this
     # machine's devices (on a CPU, XLA host devices; see research.parallel)
     tensor_parallel_size: int = 1
-    enable_expert_parallel: bool = False  # real: MoE experts split over those devices
+    enable_expert_parallel: bool = False  # MoE experts split over those devices / boxes
     num_replicas: int = 1  # simulated: independent boxes behind a router (DP)
     routing: str = "random"  # simulated replicas: random | least_loaded | prefix_aware
     moe_routing: str = "sequence_locality"  # simulated: research.perf.routing.ROUTING_LAWS

@@ -119,8 +119,6 @@ class LLM:
             raise ValueError(f"executor must be 'real' or 'simulated', got {executor!r}")
         sim = None
         check_bool("enable_expert_parallel", enable_expert_parallel)
-        if enable_expert_parallel and executor == "simulated":
-            raise ValueError("enable_expert_parallel is not modelled by the simulated executor")
         if executor == "simulated":
             # A cost model of `hardware` prices each step; no weights are loaded or allocated.
             from research.models.presets import get_preset
@@ -151,6 +149,7 @@ class LLM:
                 dtype,
                 tensor_parallel_size=tensor_parallel_size,
                 block_size=block_size,
+                expert_parallel=enable_expert_parallel,
                 **(cost_model_options or {}),
             )
             sim = SimulatedExecutor(cost)
@@ -187,12 +186,12 @@ class LLM:
                 f"must be >= max_model_len ({self.max_model_len})"
             )
         plan = None
+        if enable_expert_parallel and not cfg.is_moe:
+            raise ValueError(f"enable_expert_parallel: {cfg.name} has no experts")
         if executor == "real" and (tensor_parallel_size > 1 or enable_expert_parallel):
             from research.parallel import ShardingPlan
 
             plan = ShardingPlan.create(cfg, tensor_parallel_size, enable_expert_parallel)
-            if enable_expert_parallel and not cfg.is_moe:
-                raise ValueError(f"enable_expert_parallel: {cfg.name} has no experts")
             logger.info("sharding: %s", plan.describe())
         self.plan = plan
         self.engine = Engine(

@@ -299,3 +299,14 @@ def test_tensor_parallel_pricing_reads_the_engines_sharding_plan():
     assert one["allreduce_s"] == 0.0
     with pytest.raises(ValueError, match="does not divide num_heads"):
         CostModel("smollm2-135m", None, "gb10", tensor_parallel_size=2)
+
+
+def test_simulated_expert_parallel_splits_experts_not_their_width():
+    from research import LLM
+
+    llm = LLM(
+        "qwen3-30b-a3b", executor="simulated", hardware="gb10", quantization="awq",
+        tensor_parallel_size=2, enable_expert_parallel=True,
+    )  # fmt: skip
+    split = llm.engine.executor.cost_model.split
+    assert split.expert_parallel and split.ways("experts") == 2 and split.ways("expert_ffn") == 1
