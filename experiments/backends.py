@@ -286,7 +286,6 @@ class ReplicasBackend(HTTPBackend):
     def __init__(self, run: RunConfig):
         import atexit
         import os
-        import socket
         import subprocess
         import sys
 
@@ -297,9 +296,9 @@ class ReplicasBackend(HTTPBackend):
             raise ValueError("replicas run the server's continuous batching with chunked prefill")
         if not c.enable_prefix_caching:
             raise ValueError("replicas run the server, whose prefix cache is on")
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        from research.serve.router import free_port
+
+        port = free_port()
         flags = [
             m.model, "--port", str(port), "--num-replicas", str(h.num_replicas),
             "--routing", h.routing, "--dtype", m.dtype,

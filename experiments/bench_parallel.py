@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -33,13 +32,9 @@ from pathlib import Path
 
 import httpx
 
+from research.serve.router import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(cmd: list[str], port: int) -> subprocess.Popen:
@@ -144,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     measured: dict[str, dict[int, dict]] = {}
     single: dict[int, dict] = {}
     for name, cmd in setups.items():
-        port = _free_port()
+        port = free_port()
         t0 = time.perf_counter()
         proc = _start(cmd, port)
         url = f"http://127.0.0.1:{port}"

@@ -5,26 +5,20 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from research import LLM, SamplingParams
+from research.serve.router import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 60))]
 ENGINE = ["--max-model-len", "128", "--num-kv-blocks", "64", "--block-size", "8"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_match_one(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from research.serve.router import Replica, Router
+from research.serve.router import Replica, Router, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,12 +83,6 @@ def test_random_routing_is_seeded():
         Router([Replica("a")], "round_robin")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _stream(client: httpx.AsyncClient, url: str, i: int) -> tuple[int, int, bool]:
     body = {
         "model": "tiny-llama",
@@ -114,7 +107,7 @@ async def _stream(client: httpx.AsyncClient, url: str, i: int) -> tuple[int, int
 
 
 def test_two_replica_processes_behind_the_router_lose_nothing():
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     cmd = [
         sys.executable,

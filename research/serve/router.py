@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from research.parallel.replicas import ROUTING, Replica, Router
 
-__all__ = ["ROUTING", "Replica", "Router", "create_router_app", "main"]
+__all__ = ["ROUTING", "Replica", "Router", "create_router_app", "free_port", "main"]
 
 
 def prompt_prefix(body: dict) -> str:
@@ -137,7 +137,8 @@ def create_router_app(router: Router, timeout: float = 600.0) -> FastAPI:
     return app
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
     import socket
 
     with socket.socket() as sock:
@@ -153,7 +154,7 @@ def start_replicas(
     procs, urls = [], []
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     for i in range(num):
-        port = _free_port()
+        port = free_port()
         cmd = [sys.executable, "-m", "research.serve", *server_args, "--port", str(port)]
         mine: list[int] = []
         if cpus_per_replica:
