@@ -13,7 +13,8 @@ Setups (each a real server, measured with the ``vllm bench serve``-style HTTP cl
   least-loaded routing.
 
 The prediction: the host cost model (``research.perf.host_model``) fitted on the one-engine
-server's single-stream runs only (TTFT and TPOT at two prompt lengths), then run through our
+server's single-stream runs only (TTFT and TPOT at two prompt lengths; rates bounded by the
+machine's measured peaks, ``research.perf.host_peaks``), then run through our
 scheduler at each concurrency: for TP with every device 1/N of the fitted machine and the
 sharding plan's collectives as host-memory copies, for replicas with each replica 1/R of it
 behind the same routing policy. Per-user tok/s is 1000 / median TPOT; aggregate is output
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -80,6 +82,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--prompts-per-concurrency", type=int, default=2)
     parser.add_argument("--num-kv-blocks", type=int, default=1024)
+    parser.add_argument("--out", default=None, help="write the measurements here (JSON)")
+    parser.add_argument(
+        "--predict-from", default=None, help="a JSON of --out: predict again, measure nothing"
+    )
     args = parser.parse_args(argv)
 
     from research.bench import compute_metrics, random_requests
@@ -138,7 +144,14 @@ def main(argv: list[str] | None = None) -> None:
 
     measured: dict[str, dict[int, dict]] = {}
     single: dict[int, dict] = {}
+    if args.predict_from:
+        saved = json.loads(Path(args.predict_from).read_text())
+        measured = {k: {int(c): v for c, v in d.items()} for k, d in saved["measured"].items()}
+        single = {int(n): v for n, v in saved["single"].items()}
+        setups = {k: setups.get(k, []) for k in measured}
     for name, cmd in setups.items():
+        if name in measured:
+            continue
         port = free_port()
         t0 = time.perf_counter()
         proc = _start(cmd, port)
@@ -154,6 +167,10 @@ def main(argv: list[str] | None = None) -> None:
             _stop(proc)
         print(f"{name}: measured in {time.perf_counter() - t0:.0f} s", flush=True)
 
+    if args.out:
+        Path(args.out).write_text(json.dumps({"measured": measured, "single": single}, indent=1))
+    from research.perf.host_peaks import host_peaks
+
     fit = fit_host(
         args.model,
         SingleStream(
@@ -165,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
         max_num_batched_tokens=2048,
         max_model_len=max_model_len,
         dtype=args.dtype,
+        # measured peaks are float32's: a bfloat16 fit is left unbounded (AMX runs it faster)
+        peaks=host_peaks() if args.dtype == "float32" else None,
     )
     bw, flops = fit.hw.achievable_bandwidth, fit.hw.sustained_flops("fp32")
     cache = CacheConfig(num_kv_blocks=args.num_kv_blocks)

@@ -160,9 +160,12 @@ def fit_host(
     block_size: int = 16,
     quantization: str | None = None,
     dtype: str = "float32",
+    peaks: dict[str, float] | None = None,
 ) -> HostCostModel:
     """Fit read bandwidth, matmul FLOP/s and attention efficiency (and the per-call host time
-    when not measured) on ``measured`` by least squares on the logs of every number."""
+    when not measured) on ``measured`` by least squares on the logs of every number.
+    ``peaks`` (``research.perf.host_peaks``: "flops", "bandwidth") bound the fitted rates: no
+    fitted rate may exceed what the machine measures."""
     from scipy.optimize import least_squares
 
     if len(measured.ttft_s) < 2:
@@ -199,6 +202,10 @@ def fit_host(
     x0 = [math.log(10.0), math.log(50.0), math.log(0.5), math.log(0.5), 1.0]
     lower = [math.log(0.1), math.log(0.1), math.log(1e-3), math.log(1e-3), 0.0]
     upper = [math.log(1e4), math.log(1e6), 0.0, 0.0, 1e3]
+    if peaks is not None:
+        upper[0] = math.log(peaks["bandwidth"] / 1e9)
+        upper[1] = math.log(peaks["flops"] / 1e9)
+        x0[:2] = [min(x0[0], upper[0] - 0.1), min(x0[1], upper[1] - 0.1)]
     n = 4 if host is not None else 5
     fit = least_squares(
         residuals, x0[:n], bounds=(lower[:n], upper[:n]), x_scale=[0.3, 0.3, 0.3, 0.3, 1.0][:n]
