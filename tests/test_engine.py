@@ -259,6 +259,6 @@ def test_prompt_logprobs_survive_chunking_prefix_caching_and_preemption(model):
 def test_logprobs_are_refused_where_no_logits_exist():
     from research import LLM
 
-    llm = LLM("tiny-llama", executor="simulated", hardware="gb10")
+    llm = LLM("tiny-llama", executor="simulated", hardware="gb10", num_kv_blocks=64)
     with pytest.raises(ValueError, match="logprobs need the model's logits"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=1))
