@@ -289,14 +289,12 @@ class ReplicasBackend(HTTPBackend):
         import subprocess
         import sys
 
-        import httpx
-
         s, c, m, q, h = run.scheduler, run.cache, run.model, run.quantization, run.hardware
         if s.scheduling_policy != "continuous" or not s.enable_chunked_prefill:
             raise ValueError("replicas run the server's continuous batching with chunked prefill")
         if not c.enable_prefix_caching:
             raise ValueError("replicas run the server, whose prefix cache is on")
-        from research.serve.router import free_port
+        from research.serve.router import free_port, wait_healthy
 
         port = free_port()
         flags = [
@@ -320,18 +318,7 @@ class ReplicasBackend(HTTPBackend):
         self.process = subprocess.Popen([sys.executable, "-m", "research.serve.router", *flags])
         atexit.register(self.close)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 1800
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the replicas exited with status {self.process.returncode}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("the replicas did not come up in 30 minutes")
-            time.sleep(1)
+        wait_healthy([url], [self.process], timeout=1800)
         e = dataclasses.replace(run.executor, base_url=url, label=f"ours-x{h.num_replicas}")
         super().__init__(dataclasses.replace(run, executor=e))
 

@@ -32,9 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
-from research.serve.router import free_port
+from research.serve.router import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,19 +46,12 @@ def _start(cmd: list[str], port: int) -> subprocess.Popen:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 1200
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.terminate()
-            raise TimeoutError(f"{' '.join(cmd)} did not come up")
-        time.sleep(1)
+    try:
+        wait_healthy([f"http://127.0.0.1:{port}"], [proc], timeout=1200)
+    except (RuntimeError, TimeoutError):
+        proc.terminate()
+        raise
+    return proc
 
 
 def _stop(proc: subprocess.Popen) -> None:

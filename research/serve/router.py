@@ -187,12 +187,14 @@ def _child_setup(cores: list[int]):
 
 
 def wait_healthy(urls: list[str], procs: list[subprocess.Popen], timeout: float = 900) -> None:
+    """Return once every server in ``urls`` answers ``/health``; RuntimeError if one of
+    ``procs`` exits first, TimeoutError after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     pending = set(urls)
     while pending:
         for proc in procs:
             if proc.poll() is not None:
-                raise RuntimeError(f"a replica exited with status {proc.returncode} at start")
+                raise RuntimeError(f"a server exited with status {proc.returncode} at start")
         for url in list(pending):
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
@@ -200,7 +202,7 @@ def wait_healthy(urls: list[str], procs: list[subprocess.Popen], timeout: float 
             except httpx.HTTPError:
                 pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"replicas not healthy after {timeout:.0f} s: {sorted(pending)}")
+            raise TimeoutError(f"not healthy after {timeout:.0f} s: {sorted(pending)}")
         time.sleep(0.5)
 
 
