@@ -78,6 +78,10 @@ class EngineBackend:
 
         self.llm = make_llm()
         self.engine = self.llm.engine
+        # "auto" as resolved by the executor (native on CPU where it builds, else xla)
+        self.attention_backend = getattr(
+            self.engine.executor, "backend", run.executor.attention_backend
+        )
         if self.simulated and run.hardware.num_replicas > 1:
             from research.perf.simulated import ReplicaRouter
 
@@ -185,6 +189,7 @@ class EngineBackend:
                 max_model_len=self.engine.max_model_len,
                 block_size=run.cache.block_size,
                 dtype=run.model.dtype,
+                attention_backend=self.attention_backend,
             )
         except ValueError:
             return {}

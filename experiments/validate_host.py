@@ -117,6 +117,7 @@ def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
         block_size=run.cache.block_size,
         quantization=run.quantization.quantization,
         dtype=run.model.dtype,
+        attention_backend=real.attention_backend,
     )
     log.info(f"  {describe_fit(measured, model)}")
     cache = dataclasses.replace(engine.cache_config, num_kv_blocks=engine.block_manager.num_blocks)

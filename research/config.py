@@ -195,7 +195,7 @@ class ExecutorConfig:
     ``http`` benchmarks an OpenAI-compatible server (ours or vLLM) at ``base_url``."""
 
     kind: str = "real"
-    attention_backend: str = "xla"  # xla | pallas | pallas_interpret
+    attention_backend: str = "auto"  # auto | xla | native | pallas | pallas_interpret
     base_url: str | None = None  # http: e.g. http://127.0.0.1:8000 (without /v1)
     api_key: str | None = None  # http: sent as "Authorization: Bearer <api_key>"
     label: str | None = None  # http: names the server's line (e.g. llama-server, vllm)

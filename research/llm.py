@@ -63,7 +63,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         kv_cache_memory_bytes: int = 1 << 30,
         enable_prefix_caching: bool = True,
-        attention_backend: str = "xla",
+        attention_backend: str = "auto",
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
         executor: str = "real",

@@ -49,7 +49,7 @@ def test_pallas_interpret_backend_matches_xla_greedy(smollm2_llm):
     """The paged-attention kernel (interpreted) reads the cached context and is merged with the
     new tokens by log-sum-exp; greedy tokens must equal the XLA gather path's."""
     tok = smollm2_llm.tokenizer
-    _, xla = _answer(_engine(smollm2_llm), tok)
+    _, xla = _answer(_engine(smollm2_llm, attention_backend="xla"), tok)
     _, pallas = _answer(_engine(smollm2_llm, attention_backend="pallas_interpret"), tok)
     assert pallas == xla
 

@@ -53,7 +53,7 @@ class Engine:
         scheduler_config: SchedulerConfig | None = None,
         max_model_len: int | None = None,
         dtype: Any = None,
-        attention_backend: str = "xla",
+        attention_backend: str = "auto",
         kv_cache_dtype: str = "auto",
         seed: int = 0,
         poison_freed_blocks: bool = False,

@@ -30,13 +30,13 @@ import numpy as np
 
 from research.config import CacheConfig, ModelConfig, SchedulerConfig
 from research.engine.kv_cache import (
-    ATTENTION_BACKENDS,
     KVPool,
     PagedKVCache,
     copy_blocks,
     fill_blocks,
     init_kv_pool,
     kv_pool_bytes_per_block,
+    resolve_attention_backend,
     write_kv,
 )
 from research.engine.request import MAX_LOGPROBS, Logprob, SamplingParams
@@ -265,17 +265,16 @@ class ModelExecutor:
         num_blocks: int,
         max_model_len: int,
         dtype: Any = jnp.float32,
-        attention_backend: str = "xla",
+        attention_backend: str = "auto",
         kv_cache_dtype: str = "auto",
         kv_fill_value: float = 0.0,
         plan: Any = None,
     ):
         """``plan``: a ``research.parallel.ShardingPlan`` to split the parameters and the KV pool
         over its devices (tensor / expert parallel); None runs on one device."""
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}"
-            )
+        attention_backend = resolve_attention_backend(
+            attention_backend, dtype, kv_cache_dtype, sharded=plan is not None and plan.size > 1
+        )
         self.cfg = cfg
         self.params = params
         self.block_size = cache.block_size

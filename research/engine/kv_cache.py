@@ -25,6 +25,7 @@ from research.models.layers import KERNEL_BACKENDS, attention_with_lse, grouped_
 from research.quant.kv import dequantize_kv, kv_code_dtype, kv_code_shape, quantize_kv
 
 ATTENTION_BACKENDS = KERNEL_BACKENDS
+NATIVE_MAX_T = 8  # tokens per row up to which "native" attention runs the kernel
 
 
 @jax.tree_util.register_dataclass
@@ -152,7 +153,8 @@ class PagedKVCache:
     ``backend`` "xla" gathers the pages and runs masked attention in XLA; "pallas" and
     "pallas_interpret" read the cached context with the Pallas paged-attention kernel (one
     query per token, the row's cached length as its length) and merge it with attention over
-    the call's new tokens by their log-sum-exps.
+    the call's new tokens by their log-sum-exps; "native" does the same with the C++ CPU kernel
+    for calls of at most ``NATIVE_MAX_T`` tokens per row (decodes) and gathers for prefills.
     """
 
     pool: KVPool
@@ -183,7 +185,10 @@ class PagedKVCache:
             grid = jnp.zeros((r, t, *x.shape[1:]), x.dtype)
             return grid.at[self.token_row, self.token_col].set(x, mode="drop")
 
-        attend = _gather_attention if self.backend == "xla" else _kernel_attention
+        # The native kernel reads a row's context once per query: decode-sized chunks only;
+        # prefill chunks (T >= 16) keep the gather path, whose batched dots reuse each key.
+        gather = self.backend == "xla" or (self.backend == "native" and t > NATIVE_MAX_T)
+        attend = _gather_attention if gather else _kernel_attention
         if self.plan is not None and self.plan.size > 1:
             from research.parallel.ops import sharded_attention
 
@@ -289,11 +294,67 @@ def _kernel_attention(
     scale: float,
     backend: str,
 ) -> jax.Array:
-    """The cached context through the Pallas paged-attention kernel, merged with attention over
+    """The cached context through a paged-attention kernel that reads the pages in place (the
+    Pallas kernel, or the native CPU one for ``backend="native"``), merged with attention over
     the call's new tokens: out = (w_c * out_c + w_n * out_n) / (w_c + w_n), w = exp(lse - max).
 
     Every query token becomes one kernel query with its row's block table and the row's cached
     length (its start position), so a prefill chunk of T tokens costs T decode queries."""
+    r, t, h, e = q.shape
+    start = jnp.maximum(positions[:, 0], 0)  # cached tokens per row (0 for padding rows)
+    tables, lengths = jnp.repeat(block_tables, t, axis=0), jnp.repeat(start, t)
+    if backend == "native":
+        from research import native
+
+        ctx_out, ctx_lse = native.paged_attention(
+            q.reshape(r * t, h, e), pool.k[layer], pool.v[layer], tables, lengths, scale
+        )
+    else:
+        ctx_out, ctx_lse = _pallas_context(
+            q.reshape(r * t, h, e), pool, layer, tables, lengths, scale, backend
+        )
+    new_out, new_lse = _new_token_attention(q, k_new, v_new, positions, scale)
+    ctx_out = ctx_out.reshape(r, t, h, e).astype(jnp.float32)
+    ctx_lse = ctx_lse.reshape(r, t, h)
+    top = jnp.maximum(ctx_lse, new_lse)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w_ctx, w_new = jnp.exp(ctx_lse - top), jnp.exp(new_lse - top)  # 0 where a side is empty
+    denom = jnp.where(w_ctx + w_new > 0, w_ctx + w_new, 1.0)
+    out = (w_ctx[..., None] * ctx_out + w_new[..., None] * new_out) / denom[..., None]
+    return out.astype(q.dtype)
+
+
+def _new_token_attention(
+    q: jax.Array, k_new: jax.Array, v_new: jax.Array, positions: jax.Array, scale: float
+) -> tuple[jax.Array, jax.Array]:
+    """Attention of the call's queries over the call's own new tokens, in float32: (out, lse).
+    A decode row (T = 1) sees exactly its own token, so its out is that token's V and its lse
+    its one score: no batched dot (XLA:CPU runs small bf16 batched dots on a slow path)."""
+    f32 = jnp.float32
+    q, k_new, v_new = q.astype(f32), k_new.astype(f32), v_new.astype(f32)
+    r, t, h, e = q.shape
+    if t > 1:
+        return attention_with_lse(q, k_new, v_new, _new_token_mask(positions), scale)
+    kvh = k_new.shape[2]
+    g = h // kvh
+    valid = (positions[:, 0] >= 0)[:, None, None]  # [R, 1, 1]
+    score = jnp.sum(q.reshape(r, kvh, g, e) * k_new.reshape(r, kvh, 1, e), axis=-1) * scale
+    lse = jnp.where(valid, score, -jnp.inf).reshape(r, 1, h)
+    out = jnp.broadcast_to(v_new.reshape(r, kvh, 1, e), (r, kvh, g, e))
+    out = jnp.where(valid[..., None], out, 0.0).reshape(r, 1, h, e)
+    return out, lse
+
+
+def _pallas_context(
+    q: jax.Array,
+    pool: KVPool,
+    layer: int,
+    tables: jax.Array,
+    lengths: jax.Array,
+    scale: float,
+    backend: str,
+) -> tuple[jax.Array, jax.Array]:
+    """The Pallas paged-attention kernel over the cached context: (out, lse) per query."""
     from pallas_kernels.paged_attention import paged_attention
     from pallas_kernels.tuning import target_for_backend
 
@@ -301,14 +362,13 @@ def _kernel_attention(
     k_pages, v_pages = pool.view(pool.k[layer]), pool.view(pool.v[layer])
     if k_pages.dtype == jnp.float8_e4m3fn:
         target.require_fp8("the KV cache")
-    r, t, h, e = q.shape
-    start = jnp.maximum(positions[:, 0], 0)  # cached tokens per row (0 for padding rows)
-    ctx_out, ctx_lse = paged_attention(
-        q.reshape(r * t, h, e),
+    e = q.shape[-1]
+    return paged_attention(
+        q,
         k_pages,
         v_pages,
-        jnp.repeat(block_tables, t, axis=0),
-        jnp.repeat(start, t),
+        tables,
+        lengths,
         sm_scale=scale,
         k_scales=pool.k_scales[layer] if pool.quantized else None,
         v_scales=pool.v_scales[layer] if pool.quantized else None,
@@ -322,15 +382,42 @@ def _kernel_attention(
         ),
         interpret=backend == "pallas_interpret",
     )
-    new_out, new_lse = attention_with_lse(q, k_new, v_new, _new_token_mask(positions), scale)
-    ctx_out = ctx_out.reshape(r, t, h, e).astype(jnp.float32)
-    ctx_lse = ctx_lse.reshape(r, t, h)
-    top = jnp.maximum(ctx_lse, new_lse)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    w_ctx, w_new = jnp.exp(ctx_lse - top), jnp.exp(new_lse - top)  # 0 where a side is empty
-    denom = jnp.where(w_ctx + w_new > 0, w_ctx + w_new, 1.0)
-    out = (w_ctx[..., None] * ctx_out + w_new[..., None] * new_out) / denom[..., None]
-    return out.astype(q.dtype)
+
+
+def native_supports(dtype: Any, kv_cache_dtype: str) -> str | None:
+    """Why the native CPU attention cannot serve a pool of ``dtype`` pages (None = it can)."""
+    if kv_cache_dtype != "auto":
+        return f"kv_cache_dtype={kv_cache_dtype!r} (native attention reads float32/bfloat16 pages)"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        return f"{jnp.dtype(dtype).name} pages (native attention reads float32/bfloat16 pages)"
+    if jax.default_backend() != "cpu":
+        return f"the {jax.default_backend()} platform (native attention runs on CPU)"
+    from research import native
+
+    if not native.available():
+        return f"the native library did not build: {native.build_error()}"
+    return None
+
+
+def resolve_attention_backend(
+    backend: str, dtype: Any, kv_cache_dtype: str, sharded: bool = False
+) -> str:
+    """``"auto"``: the native CPU kernel where it serves this pool (CPU, float32/bfloat16 pages,
+    one device, the library built), else the XLA reference. An explicit ``"native"`` that
+    cannot serve is an error naming why."""
+    if backend == "auto":
+        if sharded or native_supports(dtype, kv_cache_dtype) is not None:
+            return "xla"
+        return "native"
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"attention_backend must be 'auto' or one of {ATTENTION_BACKENDS}, got {backend!r}"
+        )
+    if backend == "native":
+        why = "tensor/expert parallel plans" if sharded else native_supports(dtype, kv_cache_dtype)
+        if why is not None:
+            raise ValueError(f'attention_backend="native" cannot serve {why}; use "xla"')
+    return backend
 
 
 def copy_blocks(pool: KVPool, src: jax.Array, dst: jax.Array) -> KVPool:

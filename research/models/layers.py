@@ -18,9 +18,10 @@ import numpy as np
 from research.config import ModelConfig, RopeScaling
 from research.quant import QTensor, dequantize
 
-# Where kernels run: "xla" = pure jnp reference, "pallas" = Triton-backend Pallas kernels on GPU,
+# Where kernels run: "xla" = pure jnp reference, "native" = the C++ paged-attention kernel on CPU
+# (``research.native``; matmuls as "xla"), "pallas" = Triton-backend Pallas kernels on GPU,
 # "pallas_interpret" = the same kernels interpreted on CPU (for tests).
-KERNEL_BACKENDS = ("xla", "pallas", "pallas_interpret")
+KERNEL_BACKENDS = ("xla", "native", "pallas", "pallas_interpret")
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -96,7 +97,7 @@ def linear(x: jax.Array, w: jax.Array | QTensor, backend: str = "xla") -> jax.Ar
     quantized-matmul kernel (``"pallas*"``)."""
     if not isinstance(w, QTensor):
         return matmul(x, w).astype(x.dtype)
-    if backend == "xla":
+    if not backend.startswith("pallas"):  # "xla", or "native" (attention only)
         return matmul(x, dequantize(w).astype(x.dtype)).astype(x.dtype)
     from pallas_kernels.grouped_experts import quantized_matmul
     from pallas_kernels.tuning import target_for_backend

@@ -37,7 +37,7 @@ def grouped_matmul(
 
     ``"xla"``: ``ragged_dot`` (on the dequantized experts when rhs is a QTensor); ``"pallas*"``:
     the Pallas grouped-experts kernel, which dequantizes 4/8-bit experts tile by tile."""
-    if backend == "xla":
+    if not backend.startswith("pallas"):  # "xla", or "native" (attention only)
         if isinstance(rhs, QTensor):
             rhs = dequantize(rhs).astype(lhs.dtype)
         return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype)

@@ -5,18 +5,20 @@ can measure (``python -m experiments.run experiment=validate_host``).
 ``HostCostModel`` is ``CostModel`` priced over the work our ``ModelExecutor`` actually launches
 (``research.engine.executor``): decodes and prefill chunks run as two calls; each call's rows are
 padded to a power of two (``bucket``), prefill tokens to a power of two >= 16, tokens per row to
-a power of two; attention reads every row's bucketed block table (``context_bucket``, at least
-128 tokens) for every padded query, in the XLA reference attention (no flash kernel: the score
-matrix is [rows, heads, queries, keys]). Each call pays the per-step host overhead (packing
-arrays, dispatch, reading the sampled tokens back).
+a power of two. Attention depends on the engine's ``attention_backend``: the XLA reference reads
+every row's bucketed block table (``context_bucket``, at least 128 tokens) for every padded query
+(no flash kernel: the score matrix is [rows, heads, queries, keys]); the native CPU kernel
+(``research.native``) reads each row's own cached tokens in place, once per query of its chunk.
+Each call pays the per-step host overhead (packing arrays, dispatch, reading the sampled tokens
+back).
 
 ``fit_host`` fits the machine's effective read bandwidth, its effective matmul rate, the
 attention's FLOP efficiency relative to it and the share of the read bandwidth attention's K/V
 reads reach on four single-stream numbers: the decode time per token and the TTFT at two prompt
-lengths (concurrency 1). The last is its own parameter because the XLA attention gathers every
-row's pages into a padded copy before reading it, several times slower per byte than streaming
-weights; the decode-time difference between the two prompt lengths (the same weights, more keys)
-is what measures it. The per-call host overhead is the engine's
+lengths (concurrency 1). The last is its own parameter because K/V pages scattered over the pool
+are not read at the rate weights stream at (the XLA attention even gathers them into a padded
+copy first); the decode-time difference between the two prompt lengths (the same weights, more
+keys) is what measures it. The per-call host overhead is the engine's
 own measured host time per step in those runs (``Engine.stats()``), or fitted when not given.
 Bandwidth and FLOP/s are fitted as absolute rates, i.e. a ``Hardware`` whose peaks ARE the fitted
 rates: no peak of this CPU is published or measured independently. Host time per extra sequence
@@ -83,15 +85,22 @@ class HostCostModel(CostModel):
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        attention_backend: str = "xla",
         **kwargs: Any,
     ) -> None:
+        if attention_backend not in ("xla", "native"):
+            raise ValueError(
+                f"HostCostModel prices attention_backend 'xla' or 'native', got "
+                f"{attention_backend!r}"
+            )
         kwargs.setdefault("dtype", "float32")
         kwargs.setdefault("params", CostParams(1.0, 0.0))
         super().__init__(model, quantization, hardware, **kwargs)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        # The XLA attention reads and scores every key it gathers: no page overhead model.
+        self.attention_backend = attention_backend
+        # Both attentions read whole token rows (no page-transfer overhead model).
         self.page_efficiency = 1.0
 
     def options(self) -> dict[str, Any]:
@@ -99,6 +108,7 @@ class HostCostModel(CostModel):
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            attention_backend=self.attention_backend,
         )
 
     def work(self, shape: StepShape) -> list[StepWork]:
@@ -116,16 +126,25 @@ class HostCostModel(CostModel):
             cap = max(16, self.max_num_batched_tokens)
             n = r if is_decode else _bucket(tokens, 16, cap)
             t = 1 if is_decode else _bucket(max(k for k, _ in group), 16, n)
-            longest_table = max(math.ceil((c + k) / bs) for k, c in group)
-            keys = _context_bucket(longest_table, m_min, max_blocks) * bs
+            if self.attention_backend == "native":
+                # Each row's cached tokens read in place (every query of a row's chunk reads
+                # them), plus the call's new tokens in a padded [R, T, T] attention.
+                read = float(sum(c for _, c in group))
+                pages = float(sum(math.ceil(c / bs) for _, c in group))
+                pairs = float(t * read + r * t * t)
+            else:
+                # Every row's bucketed block table gathered and scored for every padded query.
+                longest_table = max(math.ceil((c + k) / bs) for k, c in group)
+                keys = _context_bucket(longest_table, m_min, max_blocks) * bs
+                read, pages, pairs = float(r * keys), float(r * keys / bs), float(r * t * keys)
             calls.append(
                 StepWork(
                     tokens=n,
                     logits_rows=r,
                     seq_tokens=tuple(k for k, _ in group),
-                    kv_read_tokens=float(r * keys),
-                    kv_pages=float(r * keys / bs),
-                    attention_pairs=float(r * t * keys),
+                    kv_read_tokens=read,
+                    kv_pages=pages,
+                    attention_pairs=pairs,
                     kv_write_tokens=n,
                 )
             )
@@ -161,6 +180,7 @@ def fit_host(
     quantization: str | None = None,
     dtype: str = "float32",
     peaks: dict[str, float] | None = None,
+    attention_backend: str = "xla",
 ) -> HostCostModel:
     """Fit read bandwidth, matmul FLOP/s and attention efficiency (and the per-call host time
     when not measured) on ``measured`` by least squares on the logs of every number.
@@ -176,6 +196,7 @@ def fit_host(
         max_model_len=max_model_len,
         block_size=block_size,
         dtype=dtype,
+        attention_backend=attention_backend,
     )
     host = measured.host_s_per_step
 

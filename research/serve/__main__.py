@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quantization", default=None, help="fp8 | awq | nvfp4 | mxfp4")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | int4")
     parser.add_argument(
-        "--attention-backend", default="xla", help="xla | pallas | pallas_interpret"
+        "--attention-backend",
+        default="auto",
+        help="auto (native on CPU where it builds, else xla) | xla | native | pallas | pallas_interpret",
     )
     parser.add_argument("--max-waiting", type=int, default=256, help="queue bound; 429 beyond it")
     parser.add_argument(
