@@ -40,7 +40,7 @@ from research.engine.kv_cache import (
     write_kv,
 )
 from research.engine.request import MAX_LOGPROBS, Logprob, SamplingParams
-from research.engine.sampler import SamplingTensors, sample, token_logprobs
+from research.engine.sampler import SamplingTensors, greedy, sample, token_logprobs
 from research.engine.scheduler import ScheduledSeq, StepPlan
 from research.models.transformer import Params, compute_logits, forward
 
@@ -97,7 +97,8 @@ def model_step(
     )
     hidden, cache = forward(params, cfg, batch.tokens[None], batch.positions[None], cache, backend)
     logits = compute_logits(params, cfg, hidden[0, batch.logits_index])  # [R, V]
-    sampled = sample(logits, batch.sampling)
+    greedy_tokens, gaps = greedy(logits)
+    sampled = sample(logits, batch.sampling, greedy_tokens)
     logprobs = {
         f"sample_{k}": v
         for k, v in _when(
@@ -114,7 +115,7 @@ def model_step(
             batch.tokens.shape[0],
         ).items()
     }
-    return cache.new_k, cache.new_v, sampled, top2_gap(logits), logprobs
+    return cache.new_k, cache.new_v, sampled, gaps, logprobs
 
 
 def _when(pred: jax.Array, fn: Any, rows: int) -> dict[str, jax.Array]:
@@ -147,15 +148,6 @@ def _prompt_logprobs(
 
     out = jax.lax.map(one, (hidden.reshape(n // chunk, chunk, -1), targets.reshape(-1, chunk)))
     return tuple(x.reshape(n, *x.shape[2:]) for x in out)
-
-
-def top2_gap(logits: jax.Array) -> jax.Array:
-    """Largest minus second-largest logit per row [R]. (lax.top_k lowers to a full sort on
-    XLA:CPU: 275 ms for 32 x 49152; two max passes cost microseconds.)"""
-    best = jnp.argmax(logits, axis=-1)
-    first = jnp.max(logits, axis=-1)
-    masked = jnp.where(jnp.arange(logits.shape[-1]) == best[:, None], -jnp.inf, logits)
-    return first - jnp.max(masked, axis=-1)
 
 
 _write_kv = jax.jit(write_kv, donate_argnums=0)
@@ -339,6 +331,8 @@ class ModelExecutor:
         n = r if is_decode else bucket(n_tokens, 16, max(16, self.max_num_batched_tokens))
         longest = max(item.num_new_tokens for item in group)
         t = 1 if is_decode else bucket(longest, 16, n)
+        if not is_decode and all(item.start == 0 for item in group):
+            return n, r, t, 0  # fresh prompts only: no cached context to read (M = 0)
         # At least 128 tokens of context per row: fewer shapes to compile for short sequences.
         m_min = -(-128 // self.block_size)
         longest_table = max(len(item.seq.block_ids) for item in group)
@@ -362,7 +356,8 @@ class ModelExecutor:
         """Shapes that hold every call the configuration can make, up to a memory bound: per
         row bucket R, a decode (R, R, 1, M_max); per tokens-per-row bucket T, a prefill of
         max_num_seqs rows (fewer where R x T x keys float32 scores per head would pass
-        ``max_attention_bytes``) over the longest context."""
+        ``max_attention_bytes``) over the longest context, and one of fresh prompts (M = 0),
+        which reads no cached context."""
         m_max = self.max_blocks_per_seq
         keys = m_max * self.block_size
         cap = max(16, self.max_num_batched_tokens)
@@ -371,11 +366,13 @@ class ModelExecutor:
         t = 16
         while True:
             t_cap = min(t, cap)
-            r = self.max_num_seqs
-            while r > 1 and r * t_cap * keys * self.cfg.num_heads * 4 > max_attention_bytes:
-                r = bucket(r // 2, 1, self.max_num_seqs)
-            n = bucket(min(cap, r * t_cap), 16, cap)
-            shapes.add((n, r, min(t_cap, n), m_max))
+            # over the longest context, and fresh prompts only (M = 0: keys are the new tokens)
+            for m, m_keys in ((m_max, keys), (0, t_cap)):
+                r = self.max_num_seqs
+                while r > 1 and r * t_cap * m_keys * self.cfg.num_heads * 4 > max_attention_bytes:
+                    r = bucket(r // 2, 1, self.max_num_seqs)
+                n = bucket(min(cap, r * t_cap), 16, cap)
+                shapes.add((n, r, min(t_cap, n), m))
             if t_cap >= min(cap, keys):
                 break
             t *= 2
@@ -507,7 +504,7 @@ class ModelExecutor:
             token_row[span] = i
             token_col[span] = np.arange(k)
             row_positions[i, :k] = pos
-            block_tables[i, : len(table)] = table
+            block_tables[i, : min(len(table), m)] = table[:m]
             logits_index[i] = offset + k - 1
             if seq.sampling_params.prompt_logprobs is not None:
                 prompt = seq.prompt_token_ids

@@ -188,6 +188,16 @@ class PagedKVCache:
         # The native kernel reads a row's context once per query: decode-sized chunks only;
         # prefill chunks (T >= 16) keep the gather path, whose batched dots reuse each key.
         gather = self.backend == "xla" or (self.backend == "native" and t > NATIVE_MAX_T)
+        if self.block_tables.shape[1] == 0:  # a call of fresh prompts: no cached context
+            q, k_new_rows, v_new_rows = unpack(q[0]), unpack(k_new[0]), unpack(v_new[0])
+            if gather:  # the gather path's own formula over no cached keys
+                mask = _new_token_mask(self.row_positions)
+                kt, vt = k_new_rows.transpose(0, 2, 1, 3), v_new_rows.transpose(0, 2, 1, 3)
+                out = grouped_query_attention(q, kt, vt, mask, scale)
+            else:
+                out = _new_token_attention(q, k_new_rows, v_new_rows, self.row_positions, scale)
+                out = out[0].astype(q.dtype)
+            return self._pack(out, k_new, v_new)
         attend = _gather_attention if gather else _kernel_attention
         if self.plan is not None and self.plan.size > 1:
             from research.parallel.ops import sharded_attention
@@ -204,6 +214,12 @@ class PagedKVCache:
             scale,
             self.backend,
         )
+        return self._pack(out, k_new, v_new)
+
+    def _pack(
+        self, out: jax.Array, k_new: jax.Array, v_new: jax.Array
+    ) -> tuple[jax.Array, PagedKVCache]:
+        """Rows [R, T, H, E] back to packed tokens [1, N, H, E], and this layer's new K/V kept."""
         out = out.at[self.token_row, self.token_col].get(mode="fill", fill_value=0)  # [N, H, E]
         return out[None], dataclasses.replace(
             self, new_k=[*self.new_k, k_new[0]], new_v=[*self.new_v, v_new[0]]

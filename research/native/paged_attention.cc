@@ -29,18 +29,38 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-inline __attribute__((always_inline)) void load_row(const void* pages, bool bf16, int64_t offset,
-                                                    int64_t e, float* dst) {
+// Converts `count` contiguous page elements to float32.
+inline void load(const void* pages, bool bf16, int64_t offset, int64_t count, float* dst) {
   if (bf16) {
     const uint16_t* src = static_cast<const uint16_t*>(pages) + offset;
 #pragma omp simd
-    for (int64_t i = 0; i < e; ++i) {
+    for (int64_t i = 0; i < count; ++i) {
       uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
       std::memcpy(&dst[i], &bits, sizeof(float));
     }
   } else {
-    std::memcpy(dst, static_cast<const float*>(pages) + offset, e * sizeof(float));
+    std::memcpy(dst, static_cast<const float*>(pages) + offset, count * sizeof(float));
   }
+}
+
+// exp(x) for x <= 0 in a form the compiler vectorizes (Cephes' expf: x = n ln2 + r, a degree-6
+// polynomial for exp(r), 2^n by the exponent bits); within 2 ulp of std::exp, and 0 below -87.
+inline float exp_nonpositive(float x) {
+  const float clamped = std::max(x, -87.0f);
+  const float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
+  const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+  const float z = r * r;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(float));
+  return x < -87.0f ? 0.0f : y * scale;
 }
 
 struct Shapes {
@@ -48,22 +68,27 @@ struct Shapes {
 };
 
 // Attention of token `n` over kv head `k`'s G query heads; HEAD_DIM > 0 fixes E at compile time
-// (the inner loops unroll into registers), 0 reads it from `s`.
+// (the inner loops unroll into registers), 0 reads it from `s`. Per page: K and V converted to
+// float32 once (contiguous [count, E] runs), then scores, the running softmax and the weighted
+// sum for each query head with its accumulator held across the page's tokens.
 template <int HEAD_DIM>
 void attend(const Shapes& s, const float* q, const void* kp, const void* vp, bool bf16,
             const int32_t* tables, const int32_t* lengths, float scale, int64_t n, int64_t k,
             float* out, float* lse, std::vector<float>& work) {
   const int64_t g = s.g, e = HEAD_DIM > 0 ? HEAD_DIM : s.e, p = s.p;
-  work.resize(g * e + 2 * g + g * p + 2 * e);
-  float* acc = work.data();     // [G, E]
-  float* mx = acc + g * e;      // [G]
-  float* sum = mx + g;          // [G]
-  float* scores = sum + g;      // [G, P]
-  float* row = scores + g * p;  // [E]
+  work.resize(2 * g * e + 2 * g + g * p + 2 * p * e);
+  float* acc = work.data();      // [G, E]
+  float* qs = acc + g * e;       // [G, E]: q * scale
+  float* mx = qs + g * e;        // [G]
+  float* sum = mx + g;           // [G]
+  float* scores = sum + g;       // [G, P]
+  float* kbuf = scores + g * p;  // [P, E]
+  float* vbuf = kbuf + p * e;    // [P, E]
   std::fill(acc, acc + g * e, 0.0f);
   std::fill(mx, mx + g, -std::numeric_limits<float>::infinity());
   std::fill(sum, sum + g, 0.0f);
   const float* qk = q + (n * s.h + k * g) * e;
+  for (int64_t i = 0; i < g * e; ++i) qs[i] = qk[i] * scale;
   const int64_t length = std::max<int32_t>(0, lengths[n]);
   const int64_t pages = std::min<int64_t>((length + p - 1) / p, s.m);
   for (int64_t j = 0; j < pages; ++j) {
@@ -84,38 +109,41 @@ void attend(const Shapes& s, const float* q, const void* kp, const void* vp, boo
         }
       }
     }
-    for (int64_t t = 0; t < count; ++t) {
-      load_row(kp, bf16, base + t * e, e, row);
-      for (int64_t gi = 0; gi < g; ++gi) {
-        const float* qg = qk + gi * e;
+    load(kp, bf16, base, count * e, kbuf);
+    load(vp, bf16, base, count * e, vbuf);
+    for (int64_t gi = 0; gi < g; ++gi) {
+      const float* qg = qs + gi * e;
+      float* sg = scores + gi * p;
+      float page_max = -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < count; ++t) {
+        const float* kt = kbuf + t * e;
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < e; ++i) dot += qg[i] * row[i];
-        scores[gi * p + t] = dot * scale;
+        for (int64_t i = 0; i < e; ++i) dot += qg[i] * kt[i];
+        sg[t] = dot;
+        page_max = std::max(page_max, dot);
       }
-    }
-    for (int64_t gi = 0; gi < g; ++gi) {
-      float page_max = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < count; ++t) page_max = std::max(page_max, scores[gi * p + t]);
       const float new_max = std::max(mx[gi], page_max);
       const float correction = std::isinf(mx[gi]) ? 0.0f : std::exp(mx[gi] - new_max);
-      if (correction != 1.0f) {
-        sum[gi] *= correction;
-        for (int64_t i = 0; i < e; ++i) acc[gi * e + i] *= correction;
-      }
       mx[gi] = new_max;
+      float total = 0.0f;
+#pragma omp simd reduction(+ : total)
       for (int64_t t = 0; t < count; ++t) {
-        scores[gi * p + t] = std::exp(scores[gi * p + t] - new_max);
+        sg[t] = exp_nonpositive(sg[t] - new_max);
+        total += sg[t];
       }
-    }
-    for (int64_t t = 0; t < count; ++t) {
-      load_row(vp, bf16, base + t * e, e, row);
-      for (int64_t gi = 0; gi < g; ++gi) {
-        const float w = scores[gi * p + t];
-        sum[gi] += w;
-        float* a = acc + gi * e;
+      total += sum[gi] * correction;
+      sum[gi] = total;
+      float* a = acc + gi * e;
+      if (correction != 1.0f) {
 #pragma omp simd
-        for (int64_t i = 0; i < e; ++i) a[i] += w * row[i];
+        for (int64_t i = 0; i < e; ++i) a[i] *= correction;
+      }
+      for (int64_t t = 0; t < count; ++t) {
+        const float w = sg[t];
+        const float* vt = vbuf + t * e;
+#pragma omp simd
+        for (int64_t i = 0; i < e; ++i) a[i] += w * vt[i];
       }
     }
   }

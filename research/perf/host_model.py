@@ -8,7 +8,8 @@ padded to a power of two (``bucket``), prefill tokens to a power of two >= 16, t
 a power of two. Attention depends on the engine's ``attention_backend``: the XLA reference reads
 every row's bucketed block table (``context_bucket``, at least 128 tokens) for every padded query
 (no flash kernel: the score matrix is [rows, heads, queries, keys]); the native CPU kernel
-(``research.native``) reads each row's own cached tokens in place, once per query of its chunk.
+(``research.native``) reads each decode row's own cached tokens in place. A prefill call of fresh
+prompts only reads no cache at all (the executor runs it with M = 0).
 Each call pays the per-step host overhead (packing arrays, dispatch, reading the sampled tokens
 back).
 
@@ -126,9 +127,12 @@ class HostCostModel(CostModel):
             cap = max(16, self.max_num_batched_tokens)
             n = r if is_decode else _bucket(tokens, 16, cap)
             t = 1 if is_decode else _bucket(max(k for k, _ in group), 16, n)
-            if self.attention_backend == "native":
-                # Each row's cached tokens read in place (every query of a row's chunk reads
-                # them), plus the call's new tokens in a padded [R, T, T] attention.
+            if not is_decode and all(c == 0 for _, c in group):
+                # Fresh prompts only: no cached context (the executor's M = 0 call).
+                read, pages, pairs = 0.0, 0.0, float(r * t * t)
+            elif self.attention_backend == "native" and is_decode:
+                # The native kernel reads each decode row's own cached tokens in place (prefill
+                # chunks, T >= 16, take the gather path below), plus the row's new token.
                 read = float(sum(c for _, c in group))
                 pages = float(sum(math.ceil(c / bs) for _, c in group))
                 pairs = float(t * read + r * t * t)
