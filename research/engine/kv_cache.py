@@ -173,8 +173,12 @@ class PagedKVCache:
         v_new: jax.Array,
         positions: jax.Array,
         scale: float,
+        window: int | None = None,
+        sinks: jax.Array | None = None,
     ) -> tuple[jax.Array, PagedKVCache]:
-        """q [1, N, H, E], k_new/v_new [1, N, K, E] packed; positions [1, N] (-1 = padding)."""
+        """q [1, N, H, E], k_new/v_new [1, N, K, E] packed; positions [1, N] (-1 = padding).
+        ``window``: a query at p sees positions > p - window only (sliding-window layers);
+        ``sinks`` [H]: per-head logits added to every softmax denominator (gpt-oss)."""
         if self.backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend {self.backend!r}; available: {ATTENTION_BACKENDS}")
         r, t = self.row_positions.shape
@@ -184,7 +188,11 @@ class PagedKVCache:
             return grid.at[self.token_row, self.token_col].set(x, mode="drop")
 
         attend = _gather_attention if self.backend == "xla" else _kernel_attention
+        if window is not None or sinks is not None:
+            attend = functools.partial(attend, window=window, sinks=sinks)
         if self.plan is not None and self.plan.size > 1:
+            if sinks is not None:
+                raise ValueError("tensor parallelism does not split attention sinks (gpt-oss)")
             from research.parallel.ops import sharded_attention
 
             attend = functools.partial(sharded_attention, self.plan, attend)
@@ -247,12 +255,15 @@ def _gather_attention(
     positions: jax.Array,
     scale: float,
     backend: str,
+    window: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Pure-XLA paged attention: gather each row's blocks, append the new tokens, masked GQA.
 
     Rows hold contiguous positions start..start+T-1 (padding -1). A query at position p sees its
-    row's cached positions < start and the new tokens at positions <= p; everything else (other
-    rows' blocks, unused table entries, NaN-filled free blocks) is masked out exactly."""
+    row's cached positions < start and the new tokens at positions <= p, and with a ``window``
+    only those > p - window; everything else (other rows' blocks, unused table entries,
+    NaN-filled free blocks, blocks that slid out of the window) is masked out exactly."""
     del backend
     r, m = block_tables.shape
     kvh, _, p = pool.k[layer].shape[:3]
@@ -267,14 +278,19 @@ def _gather_attention(
     valid_q = (positions >= 0)[:, :, None]  # [R, T, 1]
     ctx_pos = jnp.arange(m * p)
     mask_ctx = (ctx_pos[None, None, :] < start[:, None, None]) & valid_q  # [R, T, M*P]
-    mask = jnp.concatenate([mask_ctx, _new_token_mask(positions)], axis=-1)  # [R, T, M*P + T]
-    return grouped_query_attention(q, gather("k", k_new), gather("v", v_new), mask, scale)
+    if window is not None:
+        mask_ctx &= ctx_pos[None, None, :] > positions[:, :, None] - window
+    mask = jnp.concatenate([mask_ctx, _new_token_mask(positions, window)], axis=-1)
+    return grouped_query_attention(q, gather("k", k_new), gather("v", v_new), mask, scale, sinks)
 
 
-def _new_token_mask(positions: jax.Array) -> jax.Array:
-    """[R, T, T]: a query at position p sees its row's new tokens at positions <= p."""
+def _new_token_mask(positions: jax.Array, window: int | None = None) -> jax.Array:
+    """[R, T, T]: a query at position p sees its row's new tokens at positions <= p (and
+    > p - window)."""
     valid_q = (positions >= 0)[:, :, None]
     causal = (positions[:, None, :] <= positions[:, :, None]) & (positions[:, None, :] >= 0)
+    if window is not None:
+        causal &= positions[:, None, :] > positions[:, :, None] - window
     return causal & valid_q
 
 
@@ -288,14 +304,23 @@ def _kernel_attention(
     positions: jax.Array,
     scale: float,
     backend: str,
+    window: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """The cached context through the Pallas paged-attention kernel, merged with attention over
-    the call's new tokens: out = (w_c * out_c + w_n * out_n) / (w_c + w_n), w = exp(lse - max).
+    the call's new tokens: out = (w_c * out_c + w_n * out_n) / (w_c + w_n + w_s), w = exp(lse -
+    max), w_s = exp(sink - max) with attention sinks (0 without).
 
     Every query token becomes one kernel query with its row's block table and the row's cached
     length (its start position), so a prefill chunk of T tokens costs T decode queries."""
     from pallas_kernels.paged_attention import paged_attention
     from pallas_kernels.tuning import target_for_backend
+
+    if window is not None:
+        raise ValueError(
+            f"attention_backend {backend!r}: the paged-attention kernel has no sliding window; "
+            "use attention_backend='xla' for models with sliding-window layers"
+        )
 
     target = target_for_backend(backend)
     k_pages, v_pages = pool.view(pool.k[layer]), pool.view(pool.v[layer])
@@ -326,9 +351,15 @@ def _kernel_attention(
     ctx_out = ctx_out.reshape(r, t, h, e).astype(jnp.float32)
     ctx_lse = ctx_lse.reshape(r, t, h)
     top = jnp.maximum(ctx_lse, new_lse)
+    if sinks is not None:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32), top.shape)  # [R, T, H]
+        top = jnp.maximum(top, sink)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     w_ctx, w_new = jnp.exp(ctx_lse - top), jnp.exp(new_lse - top)  # 0 where a side is empty
-    denom = jnp.where(w_ctx + w_new > 0, w_ctx + w_new, 1.0)
+    total = w_ctx + w_new
+    if sinks is not None:
+        total = total + jnp.exp(sink - top)
+    denom = jnp.where(total > 0, total, 1.0)
     out = (w_ctx[..., None] * ctx_out + w_new[..., None] * new_out) / denom[..., None]
     return out.astype(q.dtype)
 
