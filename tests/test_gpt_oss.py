@@ -136,14 +136,17 @@ def test_sinks_and_window_matter(saved_model):
     assert np.abs(base - np.asarray(compute_logits(params, cfg, hidden))).max() > 1e-2
 
 
-def test_greedy_generation_matches_hf(saved_model):
+@pytest.mark.parametrize("block_size", [4, WINDOW, 16])  # smaller than, equal to, larger than
+def test_greedy_generation_matches_hf(saved_model, block_size):
+    """Through the paged engine (chunked prefill, continuous batching) with blocks smaller
+    than, equal to and larger than the window."""
     model, path = saved_model
-    llm = LLM(str(path), dtype="float32", block_size=4)
+    llm = LLM(str(path), dtype="float32", block_size=block_size, max_num_batched_tokens=16)
     rng = np.random.RandomState(2)
-    prompts = [rng.randint(0, 512, size=n).tolist() for n in (5, 19, 40)]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    prompts = [rng.randint(0, 512, size=n).tolist() for n in (5, 37)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     for prompt, out in zip(prompts, outs, strict=True):
-        assert out.token_ids == hf_greedy(model, torch.tensor([prompt]), 24)
+        assert out.token_ids == hf_greedy(model, torch.tensor([prompt]), 12)
 
 
 # ------------------------------------------------------------------ MXFP4 experts (*_blocks)

@@ -27,7 +27,7 @@ from typing import Any
 from research.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES, ModelConfig
 from research.models.shapes import param_shapes
 from research.perf.hardware import GiB, Hardware, get_hardware
-from research.quant.layout import AWQ_PACK, GROUP_SIZES, QUANTIZED_KEYS, awq_group_size
+from research.quant.layout import AWQ_PACK, GROUP_SIZES, awq_group_size, quantized_keys
 
 DTYPE_BYTES = {
     "float32": 4,
@@ -137,7 +137,9 @@ def weight_bytes(
     (``QUANTIZED_KEYS``: q/k/v/o and the MLP's or the stacked experts' gate/up/down) are counted
     in that format's storage (``quantized_bytes``); the embedding, lm_head, norms and MoE router
     stay in ``dtype``, as ``research.quant.quantize_params`` leaves them. Equals
-    ``research.quant.weight_bytes(quantize_params(init_params(cfg, key, dtype), quantization))``.
+    ``research.quant.weight_bytes(quantize_params(init_params(cfg, key, dtype), quantization))``
+    except for gpt-oss, counted as openai ships it: quantized experts, everything else in
+    ``dtype`` (``research.quant.layout.quantized_keys``).
     """
     cfg = resolve_model(model)
     if quantization not in QUANTIZATION_CHOICES:
@@ -147,9 +149,10 @@ def weight_bytes(
     elem = dtype_bytes(dtype)
     shapes = param_shapes(cfg)
     total = sum(math.prod(s) * elem for key, s in shapes.items() if key != "layers")
+    keys = quantized_keys(cfg.architecture)
     for layer in shapes["layers"]:
         for key, shape in layer.items():
-            if quantization is not None and key in QUANTIZED_KEYS:
+            if quantization is not None and key in keys:
                 total += quantized_bytes(shape, quantization)
             else:
                 total += math.prod(shape) * elem
@@ -157,7 +160,10 @@ def weight_bytes(
 
 
 def kv_bytes_per_token(
-    model: str | ModelConfig, kv_cache_dtype: str = "auto", dtype: Any = "bfloat16"
+    model: str | ModelConfig,
+    kv_cache_dtype: str = "auto",
+    dtype: Any = "bfloat16",
+    layers: str = "all",
 ) -> int:
     """K and V bytes one token takes across all layers in our paged pool
     (``research.engine.kv_cache.kv_pool_bytes_per_block(cfg, block_size, dtype, kv) / block_size``):
@@ -171,10 +177,11 @@ def kv_bytes_per_token(
     head and no per-token scale: ours is 4 / head_dim larger (3% at head_dim 128). We follow our
     pool, since that is what the engine allocates.
 
-    Every layer is counted: our pool gives gpt-oss's sliding-window layers full-length pages too.
-    vLLM's hybrid allocator frees sliding-window blocks that fall out of the window, so for long
-    sequences its per-token cost approaches the full-attention layers' share (REFERENCE's 36,864
-    bytes for gpt-oss-120b is that share).
+    ``layers``: "all" (what our pool stores: it gives gpt-oss's sliding-window layers
+    full-length pages too), "full" (full-attention layers only; REFERENCE's 36,864 bytes for
+    gpt-oss-120b) or "sliding" (sliding-window layers only). vLLM's hybrid allocator frees
+    sliding-window blocks that fall out of the window, so for long sequences its per-token cost
+    approaches the "full" share (``kv_capacity`` sizes the pool that way).
     """
     cfg = resolve_model(model)
     if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -188,7 +195,23 @@ def kv_bytes_per_token(
         if e % 2:
             raise ValueError(f"int4 KV packs two elements per byte; head_dim {e} is odd")
         per_head = e // 2 + 4
-    return 2 * cfg.num_layers * cfg.num_kv_heads * per_head
+    counted = {
+        "all": cfg.num_layers,
+        "full": cfg.num_layers - cfg.sliding_layers,
+        "sliding": cfg.sliding_layers,
+    }
+    if layers not in counted:
+        raise ValueError(f"layers must be one of {tuple(counted)}, got {layers!r}")
+    return 2 * counted[layers] * cfg.num_kv_heads * per_head
+
+
+def sliding_blocks_per_seq(cfg: ModelConfig, block_size: int) -> int:
+    """Blocks a sequence's sliding-window layers hold at most once out-of-window blocks are
+    freed: the window's W - 1 earlier keys plus the current token can straddle one more block
+    than ceil(W / block_size)."""
+    if not cfg.sliding_layers:
+        return 0
+    return math.ceil((cfg.sliding_window - 1) / block_size) + 1
 
 
 def vllm_batch_defaults(hardware: str | Hardware) -> tuple[int, int]:
@@ -279,10 +302,13 @@ class KVCapacity:
     weight_bytes: int
     activation_bytes: int  # peak activations + other (an estimate unless given)
     available_bytes: float  # budget - weights - activations: the KV pool
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # full-attention layers' share where some layers slide
     block_bytes: int  # block_size * kv_bytes_per_token
     num_blocks: int
     num_tokens: int  # num_blocks * block_size
+    # Sliding-window layers (gpt-oss): each of max_num_seqs sequences holds at most
+    # ``sliding_blocks_per_seq`` blocks there; that much of the pool is set aside for them.
+    sliding_reserve_bytes: float = 0.0
 
     def max_sequences(self, tokens_per_sequence: int) -> int:
         """How many sequences of ``tokens_per_sequence`` tokens (prompt + output) hold their
@@ -321,6 +347,12 @@ def kv_capacity(
     token's KV its kv heads make (``research.parallel.plan.SplitPlan``: 1/N, or 1/kv_heads when
     N exceeds them and kv heads are replicated) and 1/N of the activation estimate (an
     approximation: norms are in fact replicated). Tokens are the pool of the whole group.
+
+    A model with sliding-window layers (gpt-oss) is sized as vLLM's hybrid allocator serves it:
+    ``kv_bytes_per_token`` counts the full-attention layers only, and ``sliding_reserve_bytes``
+    (max_num_seqs sequences times ``sliding_blocks_per_seq`` blocks of the sliding layers) is
+    set aside before the blocks are counted. The reserve is an approximation: vLLM shares one
+    pool between both kinds of layers dynamically.
     """
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
@@ -334,9 +366,21 @@ def kv_capacity(
 
     split = SplitPlan.for_model(cfg, tensor_parallel_size)
     weights = weight_bytes(cfg, quantization, dtype) / tensor_parallel_size
-    per_token = kv_bytes_per_token(cfg, kv_cache_dtype, dtype) / split.ways("kv_heads")
+    kv_ways = split.ways("kv_heads")
+    # Models with sliding-window layers are sized as vLLM's hybrid allocator serves them: blocks
+    # of the full-attention layers grow with the sequence; the sliding layers hold at most a
+    # window's blocks per sequence, set aside for max_num_seqs sequences.
+    layers = "full" if cfg.sliding_layers else "all"
+    per_token = kv_bytes_per_token(cfg, kv_cache_dtype, dtype, layers) / kv_ways
+    default_tokens, default_seqs = vllm_batch_defaults(hw)
+    reserve = (
+        (default_seqs if max_num_seqs is None else max_num_seqs)
+        * sliding_blocks_per_seq(cfg, block_size)
+        * block_size
+        * kv_bytes_per_token(cfg, kv_cache_dtype, dtype, "sliding")
+        / kv_ways
+    )
     if activation_bytes is None:
-        default_tokens, default_seqs = vllm_batch_defaults(hw)
         activation_bytes = (
             estimate_activation_bytes(
                 cfg,
@@ -366,7 +410,7 @@ def kv_capacity(
             f"{gpu_memory_utilization}); nothing is left for the KV cache"
         )
     block_bytes = block_size * per_token
-    num_blocks = math.floor(available / block_bytes)
+    num_blocks = math.floor((available - reserve) / block_bytes)
     if num_blocks < 1:
         raise ValueError(
             f"{what}: {available / 2**20:.2f} MiB left after weights and activations is less "
@@ -388,6 +432,7 @@ def kv_capacity(
         block_bytes=int(block_bytes),
         num_blocks=num_blocks,
         num_tokens=num_blocks * block_size,
+        sliding_reserve_bytes=reserve,
     )
 
 
