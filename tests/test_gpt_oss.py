@@ -149,6 +149,44 @@ def test_greedy_generation_matches_hf(saved_model, block_size):
         assert out.token_ids == hf_greedy(model, torch.tensor([prompt]), 12)
 
 
+def test_sliding_layers_hold_only_the_window(saved_model):
+    """A request 10x longer than the window: its sliding-window layers never hold more blocks
+    than the window spans (blocks that slide out go back to the pool), outputs unchanged."""
+    from research.engine.engine import Engine
+    from research.perf.kv_capacity import sliding_blocks_per_seq
+
+    model, path = saved_model
+    block_size = 4
+    llm = LLM(  # pages start as NaN and freed blocks are refilled with NaN: never read
+        str(path),
+        dtype="float32",
+        block_size=block_size,
+        max_num_batched_tokens=16,
+        poison_freed_blocks=True,
+    )
+    engine: Engine = llm.engine
+    bm = engine.block_manager
+    assert bm.sliding_window == WINDOW and not bm.enable_prefix_caching
+    prompt = np.random.RandomState(4).randint(0, 512, size=60).tolist()
+    steps = 10 * WINDOW - 60  # 80 tokens in all
+    engine.add_request(prompt, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
+    window_blocks = sliding_blocks_per_seq(llm.model_config, block_size)  # 3
+    held, tokens = [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids
+        for seq in engine.scheduler.running:
+            held.append((seq.num_computed_tokens, bm.sliding_blocks_held(seq), len(seq.block_ids)))
+            bm.check_invariants(list(engine.scheduler.running))
+    decode = [h for c, h, _ in held if c > len(prompt)]  # after decode steps
+    assert decode and max(decode) <= window_blocks, held
+    # While prefilling 16-token chunks the step also stores the window after its chunk.
+    assert max(h for _, h, _ in held) <= 2 * window_blocks
+    assert max(n for _, _, n in held) == -(-80 // block_size)  # full layers keep every block
+    assert bm.num_free_blocks == bm.num_blocks  # everything returned
+    assert tokens == hf_greedy(model, torch.tensor([prompt]), steps)
+
+
 # ------------------------------------------------------------------ MXFP4 experts (*_blocks)
 
 

@@ -83,15 +83,16 @@ def test_mxfp4_experts_with_bf16_attention():
 
 def test_kv_capacity_counts_sliding_layers_apart():
     cap = kv_capacity(GPT_OSS, "mxfp4", "gb10", 0.85, 16, max_num_seqs=1024)
-    assert cap.kv_bytes_per_token == 36_864  # the full-attention layers' share (REFERENCE)
-    assert sliding_blocks_per_seq(GPT_OSS, 16) == 9
-    assert cap.sliding_reserve_bytes == 1024 * 9 * 16 * 36_864
-    pool = cap.available_bytes - cap.sliding_reserve_bytes
-    assert cap.num_blocks == math.floor(pool / (16 * 36_864))
-    # Without windows every layer's KV grows with the sequence: half the tokens fit.
+    # A block holds 18 layers of one kind: the full-attention layers' share (REFERENCE).
+    assert cap.kv_bytes_per_token == 36_864 == kv_bytes_per_token(GPT_OSS, layers="pool")
+    assert cap.num_blocks == math.floor(cap.available_bytes / (16 * 36_864))
+    assert sliding_blocks_per_seq(GPT_OSS, 16) == cap.sliding_blocks_per_seq == 9
+    # 1,900 tokens: 119 blocks of the full layers, at most 9 of the sliding ones.
+    assert cap.max_sequences(1900) == cap.num_blocks // (119 + 9)
+    # Without windows every layer's KV grows with the sequence: about half as many fit.
     full = kv_capacity(ALL_FULL, "mxfp4", "gb10", 0.85, 16, max_num_seqs=1024)
-    assert full.kv_bytes_per_token == 2 * 36_864 and full.sliding_reserve_bytes == 0
-    assert full.num_tokens < 0.6 * cap.num_tokens
+    assert full.kv_bytes_per_token == 2 * 36_864 and full.sliding_blocks_per_seq == 0
+    assert full.max_sequences(1900) < 0.55 * cap.max_sequences(1900)
 
 
 def test_gpt_oss_spark_sweep_runs(tmp_path):

@@ -3,7 +3,10 @@
 Per layer, K and V pages are laid out [K, B, P, E] (kv heads, blocks in the pool, tokens per
 block, head_dim), the layout of JAX's Pallas paged-attention kernel. A token's slot is
 ``block_id * P + offset``; its K/V are scattered there, then each sequence's context is gathered
-through its block table.
+through its block table. Models with sliding-window layers (gpt-oss) pair each sliding layer
+with a full one on the same pages (``kv_layer_slots``): the sliding layers read and write
+through their own block tables, whose blocks leave the window and return to the pool
+(``research.engine.block_manager``).
 
 Axis legend: N = packed tokens in the call, R = rows (sequences in the call), T = tokens per
 row, M = blocks per row's table, K = kv heads, B = blocks in the pool, P = tokens per block,
@@ -47,6 +50,18 @@ class KVPool:
     v_scales: list[jax.Array] = field(default_factory=list)
     kv_dtype: str = field(default="auto", metadata=dict(static=True))
     page_dtype: str = field(default="", metadata=dict(static=True))
+    # Models with sliding-window layers (``kv_layer_slots``): the list entry each model layer's
+    # pages are in, and which layers index them through the sliding-window block tables. Empty:
+    # one entry per layer, one table.
+    layer_slots: tuple[int, ...] = field(default=(), metadata=dict(static=True))
+    sliding: tuple[bool, ...] = field(default=(), metadata=dict(static=True))
+
+    def slot(self, layer: int) -> int:
+        """The list entry (k[i], v[i], ...) that holds model layer ``layer``."""
+        return self.layer_slots[layer] if self.layer_slots else layer
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.sliding) and self.sliding[layer]
 
     @property
     def quantized(self) -> bool:
@@ -69,6 +84,27 @@ class KVPool:
             return pages
         scales = (self.k_scales if which == "k" else self.v_scales)[layer][:, block_tables]
         return dequantize_kv(pages, scales, self.kv_dtype).astype(dtype)
+
+
+def kv_layer_slots(cfg: ModelConfig) -> tuple[int, ...]:
+    """The pool entry each layer's pages live in. A model with sliding-window layers pairs its
+    i-th sliding layer with its i-th full layer on one entry: the two kinds take block ids from
+    one pool under separate block tables (vLLM's hybrid allocator), so a block's pages serve
+    one kind, and max(sliding, full) entries hold the whole model. Others: one per layer."""
+    if not cfg.sliding_layers:
+        return tuple(range(cfg.num_layers))
+    seen = {True: 0, False: 0}
+    slots = []
+    for layer in range(cfg.num_layers):
+        kind = cfg.layer_window(layer) is not None
+        slots.append(seen[kind])
+        seen[kind] += 1
+    return tuple(slots)
+
+
+def kv_pool_layers(cfg: ModelConfig) -> int:
+    """Page arrays per K (and per V) in the pool: ``max(kv_layer_slots(cfg)) + 1``."""
+    return max(kv_layer_slots(cfg)) + 1
 
 
 def init_kv_pool(
@@ -97,16 +133,28 @@ def init_kv_pool(
             else values
         )
 
+    entries = kv_pool_layers(cfg)
+
     def pages() -> list[jax.Array]:
-        return [page() for _ in range(cfg.num_layers)]
+        return [page() for _ in range(entries)]
 
     def scales() -> list[jax.Array]:
         if kv_cache_dtype == "auto":
             return []
-        return [jnp.full(shape, fill, jnp.float32) for _ in range(cfg.num_layers)]
+        return [jnp.full(shape, fill, jnp.float32) for _ in range(entries)]
 
+    hybrid = cfg.sliding_layers > 0
     return KVPool(
-        pages(), pages(), scales(), scales(), kv_dtype=kv_cache_dtype, page_dtype=page_dtype
+        pages(),
+        pages(),
+        scales(),
+        scales(),
+        kv_dtype=kv_cache_dtype,
+        page_dtype=page_dtype,
+        layer_slots=kv_layer_slots(cfg) if hybrid else (),
+        sliding=tuple(cfg.layer_window(i) is not None for i in range(cfg.num_layers))
+        if hybrid
+        else (),
     )
 
 
@@ -127,11 +175,13 @@ def stores_bits(dtype: Any) -> bool:
 def kv_pool_bytes_per_block(
     cfg: ModelConfig, block_size: int, dtype: Any, kv_cache_dtype: str = "auto"
 ) -> int:
-    """Bytes one block takes across all layers, K and V, codes and scales."""
+    """Bytes one block takes across the pool's layers (``kv_pool_layers``: sliding-window and
+    full layers share one), K and V, codes and scales."""
     code_bytes = kv_code_shape(cfg.head_dim, kv_cache_dtype)[0]
     code_bytes *= kv_code_dtype(kv_cache_dtype, dtype).itemsize
     scale_bytes = 0 if kv_cache_dtype == "auto" else 4
-    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * (code_bytes + scale_bytes)
+    layers = kv_pool_layers(cfg)
+    return 2 * layers * cfg.num_kv_heads * block_size * (code_bytes + scale_bytes)
 
 
 @jax.tree_util.register_dataclass
@@ -162,6 +212,7 @@ class PagedKVCache:
     row_positions: jax.Array  # [R, T] int32: positions of each row's chunk, -1 = padding
     new_k: list[jax.Array] = field(default_factory=list)  # per layer [N, K, E]
     new_v: list[jax.Array] = field(default_factory=list)
+    sliding_block_tables: jax.Array | None = None  # [R, M] int32: sliding-window layers
     backend: str = field(default="xla", metadata=dict(static=True))
     plan: Any = field(default=None, metadata=dict(static=True))  # research.parallel.ShardingPlan
 
@@ -196,13 +247,16 @@ class PagedKVCache:
             from research.parallel.ops import sharded_attention
 
             attend = functools.partial(sharded_attention, self.plan, attend)
+        tables = self.block_tables
+        if self.pool.is_sliding(layer):
+            tables = self.sliding_block_tables
         out = attend(
             unpack(q[0]),
             unpack(k_new[0]),
             unpack(v_new[0]),
             self.pool,
-            layer,
-            self.block_tables,
+            self.pool.slot(layer),
+            tables,
             self.row_positions,
             scale,
             self.backend,
@@ -214,11 +268,18 @@ class PagedKVCache:
 
 
 def write_kv(
-    pool: KVPool, new_k: list[jax.Array], new_v: list[jax.Array], slot_mapping: jax.Array
+    pool: KVPool,
+    new_k: list[jax.Array],
+    new_v: list[jax.Array],
+    slot_mapping: jax.Array,
+    sliding_slot_mapping: jax.Array | None = None,
 ) -> KVPool:
     """Scatter new K/V [N, K, E] per layer into the pages at flat slots [N] (block * P +
     offset), quantizing them first for fp8/int4 pools; slots out of range (padding) are
-    dropped. Jit with the pool donated."""
+    dropped. Sliding-window layers of a paired pool (``KVPool.layer_slots``) write at
+    ``sliding_slot_mapping`` [N] instead. Jit with the pool donated."""
+    if pool.layer_slots:
+        return _write_paired(pool, new_k, new_v, slot_mapping, sliding_slot_mapping)
     slots = slot_mapping.reshape(-1)
 
     def write(pages: jax.Array, new: jax.Array, is_page: bool = True) -> jax.Array:
@@ -243,6 +304,35 @@ def write_kv(
             out[which].append(write(pages, codes))
             out[f"{which}_scales"].append(write(scales, new_scales, is_page=False))
     return dataclasses.replace(pool, **out)
+
+
+def _write_paired(
+    pool: KVPool,
+    new_k: list[jax.Array],
+    new_v: list[jax.Array],
+    slot_mapping: jax.Array,
+    sliding_slot_mapping: jax.Array,
+) -> KVPool:
+    """``write_kv`` for a pool whose entries hold one sliding and one full layer each: every
+    layer goes to its entry, at the slots of its own block table."""
+    lists = {name: list(getattr(pool, name)) for name in ("k", "v", "k_scales", "v_scales")}
+    for layer, (k, v) in enumerate(zip(new_k, new_v, strict=True)):
+        slot = pool.slot(layer)
+        slots = sliding_slot_mapping if pool.is_sliding(layer) else slot_mapping
+        one = dataclasses.replace(
+            pool,
+            k=[lists["k"][slot]],
+            v=[lists["v"][slot]],
+            k_scales=lists["k_scales"][slot : slot + 1],
+            v_scales=lists["v_scales"][slot : slot + 1],
+            layer_slots=(),
+            sliding=(),
+        )
+        one = write_kv(one, [k], [v], slots)
+        for name in lists:
+            if lists[name]:
+                lists[name][slot] = getattr(one, name)[0]
+    return dataclasses.replace(pool, **lists)
 
 
 def _gather_attention(

@@ -177,11 +177,11 @@ def kv_bytes_per_token(
     head and no per-token scale: ours is 4 / head_dim larger (3% at head_dim 128). We follow our
     pool, since that is what the engine allocates.
 
-    ``layers``: "all" (what our pool stores: it gives gpt-oss's sliding-window layers
-    full-length pages too), "full" (full-attention layers only; REFERENCE's 36,864 bytes for
-    gpt-oss-120b) or "sliding" (sliding-window layers only). vLLM's hybrid allocator frees
-    sliding-window blocks that fall out of the window, so for long sequences its per-token cost
-    approaches the "full" share (``kv_capacity`` sizes the pool that way).
+    ``layers``: "all" (every layer), "full" (full-attention layers only; REFERENCE's 36,864
+    bytes for gpt-oss-120b), "sliding" (sliding-window layers only) or "pool" (what one token
+    of a block takes in our pool: max(full, sliding) layers, since the pool pairs a sliding
+    with a full layer and gives each block to one kind, as vLLM's hybrid allocator does;
+    "all" for models without sliding windows).
     """
     cfg = resolve_model(model)
     if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -195,10 +195,12 @@ def kv_bytes_per_token(
         if e % 2:
             raise ValueError(f"int4 KV packs two elements per byte; head_dim {e} is odd")
         per_head = e // 2 + 4
+    full, sliding = cfg.num_layers - cfg.sliding_layers, cfg.sliding_layers
     counted = {
         "all": cfg.num_layers,
-        "full": cfg.num_layers - cfg.sliding_layers,
-        "sliding": cfg.sliding_layers,
+        "full": full,
+        "sliding": sliding,
+        "pool": max(full, sliding) if sliding else cfg.num_layers,
     }
     if layers not in counted:
         raise ValueError(f"layers must be one of {tuple(counted)}, got {layers!r}")
@@ -302,20 +304,22 @@ class KVCapacity:
     weight_bytes: int
     activation_bytes: int  # peak activations + other (an estimate unless given)
     available_bytes: float  # budget - weights - activations: the KV pool
-    kv_bytes_per_token: int  # full-attention layers' share where some layers slide
+    kv_bytes_per_token: int  # per block token: kv_bytes_per_token(..., layers="pool")
     block_bytes: int  # block_size * kv_bytes_per_token
     num_blocks: int
     num_tokens: int  # num_blocks * block_size
-    # Sliding-window layers (gpt-oss): each of max_num_seqs sequences holds at most
-    # ``sliding_blocks_per_seq`` blocks there; that much of the pool is set aside for them.
-    sliding_reserve_bytes: float = 0.0
+    # Sliding-window models (gpt-oss): blocks a sequence's sliding layers hold at most
+    # (``sliding_blocks_per_seq``), on top of its full layers' blocks; 0 otherwise.
+    sliding_blocks_per_seq: int = 0
 
     def max_sequences(self, tokens_per_sequence: int) -> int:
         """How many sequences of ``tokens_per_sequence`` tokens (prompt + output) hold their
-        whole KV at once: each needs ceil(tokens / block_size) blocks."""
+        whole KV at once: each needs ceil(tokens / block_size) blocks (and, with sliding
+        windows, up to ``sliding_blocks_per_seq`` more)."""
         if tokens_per_sequence < 1:
             raise ValueError(f"tokens_per_sequence must be >= 1, got {tokens_per_sequence}")
-        return self.num_blocks // math.ceil(tokens_per_sequence / self.block_size)
+        blocks = math.ceil(tokens_per_sequence / self.block_size)
+        return self.num_blocks // (blocks + min(blocks, self.sliding_blocks_per_seq))
 
 
 def kv_capacity(
@@ -348,11 +352,10 @@ def kv_capacity(
     N exceeds them and kv heads are replicated) and 1/N of the activation estimate (an
     approximation: norms are in fact replicated). Tokens are the pool of the whole group.
 
-    A model with sliding-window layers (gpt-oss) is sized as vLLM's hybrid allocator serves it:
-    ``kv_bytes_per_token`` counts the full-attention layers only, and ``sliding_reserve_bytes``
-    (max_num_seqs sequences times ``sliding_blocks_per_seq`` blocks of the sliding layers) is
-    set aside before the blocks are counted. The reserve is an approximation: vLLM shares one
-    pool between both kinds of layers dynamically.
+    A model with sliding-window layers (gpt-oss) is sized as our engine and vLLM's hybrid
+    allocator serve it: a block holds one kind of layer, max(full, sliding) layers of it
+    (``kv_bytes_per_token(..., "pool")``); a sequence's full layers take blocks as it grows,
+    its sliding layers at most ``sliding_blocks_per_seq`` (``KVCapacity.max_sequences``).
     """
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
@@ -366,21 +369,11 @@ def kv_capacity(
 
     split = SplitPlan.for_model(cfg, tensor_parallel_size)
     weights = weight_bytes(cfg, quantization, dtype) / tensor_parallel_size
-    kv_ways = split.ways("kv_heads")
-    # Models with sliding-window layers are sized as vLLM's hybrid allocator serves them: blocks
-    # of the full-attention layers grow with the sequence; the sliding layers hold at most a
-    # window's blocks per sequence, set aside for max_num_seqs sequences.
-    layers = "full" if cfg.sliding_layers else "all"
-    per_token = kv_bytes_per_token(cfg, kv_cache_dtype, dtype, layers) / kv_ways
-    default_tokens, default_seqs = vllm_batch_defaults(hw)
-    reserve = (
-        (default_seqs if max_num_seqs is None else max_num_seqs)
-        * sliding_blocks_per_seq(cfg, block_size)
-        * block_size
-        * kv_bytes_per_token(cfg, kv_cache_dtype, dtype, "sliding")
-        / kv_ways
-    )
+    # Sliding-window models: a block holds one token of max(full, sliding) layers ("pool"),
+    # for either kind, as in our engine's pool and vLLM's hybrid allocator.
+    per_token = kv_bytes_per_token(cfg, kv_cache_dtype, dtype, "pool") / split.ways("kv_heads")
     if activation_bytes is None:
+        default_tokens, default_seqs = vllm_batch_defaults(hw)
         activation_bytes = (
             estimate_activation_bytes(
                 cfg,
@@ -410,7 +403,7 @@ def kv_capacity(
             f"{gpu_memory_utilization}); nothing is left for the KV cache"
         )
     block_bytes = block_size * per_token
-    num_blocks = math.floor((available - reserve) / block_bytes)
+    num_blocks = math.floor(available / block_bytes)
     if num_blocks < 1:
         raise ValueError(
             f"{what}: {available / 2**20:.2f} MiB left after weights and activations is less "
@@ -432,7 +425,7 @@ def kv_capacity(
         block_bytes=int(block_bytes),
         num_blocks=num_blocks,
         num_tokens=num_blocks * block_size,
-        sliding_reserve_bytes=reserve,
+        sliding_blocks_per_seq=sliding_blocks_per_seq(cfg, block_size),
     )
 
 
