@@ -265,3 +265,24 @@ def test_mxfp4_checkpoint_matches_hf(mxfp4_model):
     diff = np.abs(_our_logits(out, ids) - expected).max()
     assert diff < 1e-4, f"max abs logit diff {diff}"
     assert LLM(str(out), dtype="float32").quantization == "mxfp4"  # served as stored
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_yarn_frequencies_match_hf_at_full_size(truncate):
+    """gpt-oss-120b's YaRN (factor 32 over 4,096 positions, not truncated) and the truncated
+    variant: inverse frequencies and the cos/sin gain as transformers computes them."""
+    import dataclasses
+
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from research.models.layers import rope_attention_factor, rope_inv_freq
+    from research.models.presets import get_preset
+
+    cfg = get_preset("gpt-oss-120b")
+    scaling = dataclasses.replace(cfg.rope_scaling, truncate=truncate)
+    hf = GptOssConfig()  # the published defaults: yarn, factor 32, 4096, theta 150000
+    hf.rope_parameters["truncate"] = truncate
+    inv_freq, gain = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    ours = rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling)
+    np.testing.assert_allclose(ours, inv_freq.numpy(), rtol=1e-6)
+    assert rope_attention_factor(scaling) == pytest.approx(gain)
