@@ -66,6 +66,7 @@ def config_from_hf_gpt_oss(hf: dict[str, Any], name: str) -> ModelConfig:
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         num_experts=hf["num_local_experts"],
         num_experts_per_tok=hf["num_experts_per_tok"],
+        norm_topk_prob=False,  # the softmax runs over the top-k logits instead
         moe_intermediate_size=hf["intermediate_size"],
         rope_theta=float(theta),
         rope_scaling=scaling,

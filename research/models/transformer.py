@@ -1,4 +1,4 @@
-"""The decoder stack shared by dense (Llama, Qwen3) and MoE (Qwen3-MoE) models.
+"""The decoder stack shared by dense (Llama, Qwen3) and MoE (Qwen3-MoE, gpt-oss) models.
 
 Params are a plain dict pytree with one dict per layer. Matrices are stored [in, out].
 

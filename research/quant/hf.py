@@ -20,6 +20,9 @@ Layouts (per linear module ``prefix``; O = out features, I = in features):
 
 Modules a checkpoint leaves unquantized (compressed-tensors' ``ignore``) keep a dense ``weight``
 and load as dense matrices.
+
+gpt-oss's own MXFP4 layout (``quant_method: "mxfp4"``: experts as ``*_blocks`` / ``*_scales``,
+everything else dense) is read by ``research.models.gpt_oss``.
 """
 
 from __future__ import annotations
