@@ -286,3 +286,36 @@ def test_yarn_frequencies_match_hf_at_full_size(truncate):
     ours = rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling)
     np.testing.assert_allclose(ours, inv_freq.numpy(), rtol=1e-6)
     assert rope_attention_factor(scaling) == pytest.approx(gain)
+
+
+def test_paged_kernel_path_applies_sinks_like_the_xla_path():
+    """The Pallas paged-attention path (interpreted) merges the sinks into its log-sum-exp
+    merge and matches the XLA gather path; a window is refused there by name."""
+    from research.engine.kv_cache import (
+        _gather_attention,
+        _kernel_attention,
+        init_kv_pool,
+        write_kv,
+    )
+    from research.models.presets import get_preset
+
+    cfg = get_preset("tiny-qwen3")
+    bs, kvh, e, h = 4, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads
+    tables = jnp.asarray([[1, 3, 5], [2, 4, 6]], jnp.int32)
+    slots = [int(tables[i, p // bs]) * bs + p % bs for i, c in enumerate((7, 5)) for p in range(c)]
+    keys = jax.random.split(jax.random.key(0), 6)
+    kk, vv = (jax.random.normal(k, (len(slots), kvh, e)) for k in keys[:2])
+    pool = init_kv_pool(cfg, 8, bs, jnp.float32)
+    pool = write_kv(pool, [kk] * cfg.num_layers, [vv] * cfg.num_layers, jnp.asarray(slots))
+    positions = jnp.asarray([[7, 8], [5, -1]], jnp.int32)  # row 1 has one new token
+    q = jax.random.normal(keys[2], (2, 2, h, e))
+    k_new, v_new = (jax.random.normal(k, (2, 2, kvh, e)) for k in keys[3:5])
+    sinks = jax.random.normal(keys[5], (h,))
+    args = (q, k_new, v_new, pool, 0, tables, positions, 0.25)
+    xla = _gather_attention(*args, "xla", sinks=sinks)
+    kernel = jax.jit(lambda s: _kernel_attention(*args, "pallas_interpret", sinks=s))(sinks)
+    valid = np.asarray(positions) >= 0
+    np.testing.assert_allclose(np.asarray(kernel)[valid], np.asarray(xla)[valid], atol=1e-5)
+    assert np.abs(np.asarray(xla - _gather_attention(*args, "xla")))[valid].max() > 1e-2
+    with pytest.raises(ValueError, match="no sliding window"):
+        _kernel_attention(*args, "pallas_interpret", window=4)
