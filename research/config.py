@@ -16,17 +16,30 @@ from typing import Any, Literal
 Architecture = Literal["llama", "qwen3", "qwen3_moe", "gpt_oss"]
 # Architectures whose forward pass exists in research.models; the others are shapes only
 # (used by the cost model and the KV-capacity formula).
-RUNNABLE_ARCHITECTURES = ("llama", "qwen3", "qwen3_moe")
+RUNNABLE_ARCHITECTURES = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency-dependent RoPE scaling ("rope_type": "llama3")."""
+    """Frequency-dependent RoPE scaling: Llama-3's (``rope_type="llama3"``: ``low_freq_factor``,
+    ``high_freq_factor``) or YaRN (``rope_type="yarn"``: ``beta_fast``, ``beta_slow``,
+    ``truncate`` and the cos/sin gain ``attention_factor``, None = 0.1 ln(factor) + 1), with HF's
+    field names and defaults."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("llama3", "yarn"):
+            raise ValueError(f"rope_type must be 'llama3' or 'yarn', got {self.rope_type!r}")
 
 
 @dataclass(frozen=True)
@@ -56,8 +69,21 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
-    # gpt-oss alternates sliding-window (this many tokens) and full attention layers.
+    # gpt-oss alternates sliding-window (this many tokens) and full attention layers:
+    # ``layer_types[i]`` is "sliding_attention" or "full_attention" (empty: all full).
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    # gpt-oss switches: biases on q/k/v/o; a learned per-head logit in every softmax denominator
+    # (attention sinks); a router with a bias whose softmax runs over the top-k logits only;
+    # experts with biases and the clamped SwiGLU (up + 1) * g * sigmoid(alpha * g), g = gate,
+    # gate clamped above and up on both sides at ``swiglu_limit`` (None: plain SwiGLU).
+    attention_bias: bool = False
+    attention_sinks: bool = False
+    router_bias: bool = False
+    softmax_after_topk: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -74,6 +100,25 @@ class ModelConfig:
             )
         if not self.is_moe and self.intermediate_size <= 0:
             raise ValueError(f"{self.name}: a dense model needs intermediate_size > 0")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers or set(self.layer_types) - set(LAYER_TYPES):
+                raise ValueError(
+                    f"{self.name}: layer_types must name one of {LAYER_TYPES} for each of the "
+                    f"{self.num_layers} layers; got {self.layer_types}"
+                )
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ValueError(f"{self.name}: sliding_attention layers need sliding_window")
+
+    def layer_window(self, layer: int) -> int | None:
+        """Keys a query of ``layer`` sees (itself included), or None for full attention."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def sliding_layers(self) -> int:
+        """How many layers attend within ``sliding_window`` only."""
+        return sum(self.layer_window(i) is not None for i in range(self.num_layers))
 
     @property
     def is_moe(self) -> bool:
@@ -96,6 +141,7 @@ class ModelConfig:
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        d["layer_types"] = tuple(d.get("layer_types", ()))
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:

@@ -622,3 +622,54 @@ BlockManagerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestBlockManagerMachine = BlockManagerMachine.TestCase
+
+
+# ------------------------------------------------------------------ sliding windows (gpt-oss)
+
+
+def _run(bm: BlockManager, seq: Sequence, chunk: int) -> list[tuple[int, int]]:
+    """Prefill in ``chunk``-token steps, then decode to the end; (computed, sliding held)."""
+    held = []
+    while seq.num_computed_tokens < seq.num_tokens:
+        n = min(chunk, seq.num_tokens - seq.num_computed_tokens)
+        assert bm.allocate_slots(seq, n)
+        seq.num_computed_tokens += n
+        held.append((seq.num_computed_tokens, bm.sliding_blocks_held(seq)))
+        bm.check_invariants([seq])
+    return held
+
+
+@pytest.mark.parametrize(("window", "block_size"), [(8, 4), (8, 8), (8, 16), (128, 16)])
+def test_sliding_layers_hold_at_most_their_window(window, block_size):
+    bm = BlockManager(4096, block_size, enable_prefix_caching=True, sliding_window=window)
+    assert not bm.enable_prefix_caching  # hits would need the sliding blocks too
+    seq = make_seq(list(range(10 * window)))
+    held = _run(bm, seq, chunk=1)  # token by token, as decode steps
+    limit = -(-(window - 1) // block_size) + 1
+    assert max(h for _, h in held) == limit
+    assert len(seq.block_ids) == bm.blocks_needed(10 * window)  # full layers keep everything
+    # Every sliding entry before the window went back to the pool.
+    first_read = (10 * window - window) // block_size
+    assert all(b == -1 for b in seq.sliding_block_ids[:first_read])
+    bm.free(seq)
+    assert bm.num_free_blocks == bm.num_blocks
+    bm.check_invariants([])
+
+
+def test_sliding_allocation_is_all_or_nothing():
+    bm = BlockManager(7, 4, sliding_window=8)
+    seq = make_seq(list(range(20)))
+    # 12 tokens: 3 full blocks; later queries read keys >= 5, so 2 sliding blocks (4..11).
+    assert bm.allocate_slots(seq, 12)
+    seq.num_computed_tokens = 12
+    assert seq.sliding_block_ids[0] == -1 and bm.num_free_blocks == 2
+    other = make_seq(list(range(8)))
+    before = snapshot(bm, seq, other)
+    assert not bm.allocate_slots(other, 8)  # 2 full + 2 sliding > 2 free
+    assert snapshot(bm, seq, other) == before
+    assert not bm.allocate_slots(seq, 8)  # 2 full + 2 sliding (keys 13..19) > 2 free
+    assert snapshot(bm, seq, other) == before
+    assert bm.allocate_slots(seq, 1)  # position 12: 1 full + 1 sliding
+    assert bm.sliding_blocks_held(seq) == 3 and len(seq.block_ids) == 4
+    with pytest.raises(ValueError, match="fork"):
+        bm.fork(seq, make_seq([1]))

@@ -86,6 +86,12 @@ def test_auto_resolves_to_native_on_cpu_only_where_it_serves():
         resolve_attention_backend("native", jnp.float32, "fp8")
     with pytest.raises(ValueError, match="attention_backend must be"):
         resolve_attention_backend("cuda", jnp.float32, "auto")
+    from research.models.presets import get_preset
+
+    gpt_oss = get_preset("tiny-gpt-oss")  # sliding windows and sinks: the XLA path serves it
+    assert resolve_attention_backend("auto", jnp.float32, "auto", cfg=gpt_oss) == "xla"
+    with pytest.raises(ValueError, match="sliding windows and attention sinks"):
+        resolve_attention_backend("native", jnp.float32, "auto", cfg=gpt_oss)
 
 
 def test_engine_greedy_native_equals_xla_under_preemption():

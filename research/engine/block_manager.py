@@ -11,6 +11,14 @@ hit until a new allocation evicts them.
 
 Copy on write: a forked sequence shares its parent's partially filled last block; the first one
 to append to it gets a fresh block and a (src, dst) copy the executor applies on device.
+
+Sliding windows (``sliding_window`` W, gpt-oss): the sliding-window layers get a second table,
+``seq.sliding_block_ids``, from the same pool (vLLM's hybrid allocator; the pool pairs one
+sliding with one full layer per tensor, so a block id names pages of one kind). A step whose
+first query is at position p reads keys >= p - W + 1 only, so the sliding blocks wholly before
+that go back to the pool, and new tokens that no later query will see are not stored there: a
+decoding sequence holds at most ceil((W - 1) / block_size) + 1 sliding blocks. Prefix caching
+and fork are not supported with a sliding window.
 """
 
 from __future__ import annotations
@@ -39,14 +47,24 @@ def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
+    ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
             )
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
+        # Prefix hits would need the sliding layers' blocks too: off with a sliding window.
+        self.enable_prefix_caching = enable_prefix_caching and sliding_window is None
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))  # ref 0, not registered
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, registered; LRU first
@@ -79,8 +97,12 @@ class BlockManager:
 
     def max_concurrency(self, tokens_per_request: int) -> float:
         """How many requests of ``tokens_per_request`` tokens the whole pool holds at once
-        (vLLM's "maximum concurrency" start-up figure)."""
-        return self.num_blocks / self.blocks_needed(tokens_per_request)
+        (vLLM's "maximum concurrency" start-up figure); with a sliding window each also holds
+        up to a window's blocks for its sliding layers."""
+        blocks = self.blocks_needed(tokens_per_request)
+        if self.sliding_window is not None:
+            blocks += min(blocks, -(-(self.sliding_window - 1) // self.block_size) + 1)
+        return self.num_blocks / blocks
 
     # ------------------------------------------------------------------ prefix cache
 
@@ -165,7 +187,12 @@ class BlockManager:
         need_new = max(0, self.blocks_needed(total) - have)
         cow = self._needs_copy_on_write(seq, num_new_tokens)
         reclaimed = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
-        if need_new + cow > self.num_free_blocks - reclaimed:
+        if self.sliding_window is not None:
+            slide_out, slide_in = self._sliding_plan(seq, num_new_tokens)
+            if need_new + len(slide_in) > self.num_free_blocks + len(slide_out):
+                return False
+            self._allocate_sliding(seq, slide_out, slide_in, self.blocks_needed(total))
+        elif need_new + cow > self.num_free_blocks - reclaimed:
             return False
         for b in computed_blocks:
             self._touch(b)
@@ -179,6 +206,52 @@ class BlockManager:
         for _ in range(need_new):
             seq.block_ids.append(self._take_free_block())
         return True
+
+    def _sliding_plan(self, seq: Sequence, num_new_tokens: int) -> tuple[list[int], list[int]]:
+        """(entries of ``seq.sliding_block_ids`` whose blocks no query of this step or later
+        reads, entries this step needs a new block for). The step's queries are at positions
+        start .. end - 1 (start = computed tokens) and read keys >= start - W + 1; later steps
+        read keys >= end - W + 1, so only new tokens from there on are stored."""
+        bs, window = self.block_size, self.sliding_window
+        start = seq.num_computed_tokens
+        end = start + num_new_tokens
+        table = seq.sliding_block_ids
+        read_from = max(0, start - window + 1) // bs  # first entry a query still reads
+        keep_from = max(0, end - window + 1) // bs  # first entry new tokens are stored in
+        slide_out = [i for i in range(min(read_from, len(table))) if table[i] >= 0]
+        last = self.blocks_needed(end)
+        slide_in = [i for i in range(max(keep_from, 0), last) if i >= len(table) or table[i] < 0]
+        return slide_out, slide_in
+
+    def _allocate_sliding(
+        self, seq: Sequence, slide_out: list[int], slide_in: list[int], length: int
+    ) -> None:
+        table = seq.sliding_block_ids
+        for i in slide_out:
+            self._release(table[i])
+            table[i] = -1
+        table.extend([-1] * (length - len(table)))
+        for i in slide_in:
+            table[i] = self._take_free_block()
+
+    def sliding_blocks_held(self, seq: Sequence) -> int:
+        """Blocks ``seq``'s sliding-window layers hold now."""
+        return sum(b >= 0 for b in seq.sliding_block_ids)
+
+    def _release(self, block_id: int) -> None:
+        """Drop one reference; an unshared block returns to the pool (or, registered in the
+        prefix cache, to the evictable LRU)."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count < 0:
+            raise RuntimeError(f"block {block_id} freed more often than allocated")
+        if block.ref_count == 0:
+            if block.block_hash is not None:
+                self._evictable[block_id] = None
+            else:
+                self._free.append(block_id)
+                if self.freed_blocks is not None:
+                    self.freed_blocks.append(block_id)
 
     def _needs_copy_on_write(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Appending into a partially filled last block that another sequence also holds."""
@@ -194,24 +267,20 @@ class BlockManager:
         """Drop ``seq``'s references. Unshared blocks return to the pool; registered ones stay
         hittable (evictable). Tail blocks are freed first, so they are evicted first."""
         for block_id in reversed(seq.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count < 0:
-                raise RuntimeError(f"block {block_id} freed more often than allocated")
-            if block.ref_count == 0:
-                if block.block_hash is not None:
-                    self._evictable[block_id] = None
-                else:
-                    self._free.append(block_id)
-                    if self.freed_blocks is not None:
-                        self.freed_blocks.append(block_id)
+            self._release(block_id)
+        for block_id in reversed(seq.sliding_block_ids):
+            if block_id >= 0:
+                self._release(block_id)
         seq.block_ids = []
+        seq.sliding_block_ids = []
         seq.num_cached_blocks = 0
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares all of ``parent``'s blocks (copy on write for the partial last one)."""
         if child.block_ids:
             raise ValueError("fork target already owns blocks")
+        if self.sliding_window is not None:
+            raise ValueError("fork is not supported with a sliding window")
         for block_id in parent.block_ids:
             self.blocks[block_id].ref_count += 1
         child.block_ids = list(parent.block_ids)
@@ -229,7 +298,7 @@ class BlockManager:
         """Raise AssertionError if the pool's bookkeeping disagrees with ``owners``' tables."""
         counts = [0] * self.num_blocks
         for seq in owners:
-            for b in seq.block_ids:
+            for b in seq.block_ids + [b for b in seq.sliding_block_ids if b >= 0]:
                 counts[b] += 1
         free = set(self._free)
         evictable = set(self._evictable)

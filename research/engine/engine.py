@@ -76,7 +76,11 @@ class Engine:
             cfg, self.cache_config, self.scheduler_config, self.max_model_len, dtype, kv_cache_dtype
         )
         self.block_manager = BlockManager(
-            num_blocks, self.cache_config.block_size, self.cache_config.enable_prefix_caching
+            num_blocks,
+            self.cache_config.block_size,
+            self.cache_config.enable_prefix_caching,
+            # sliding-window layers keep only their window's blocks (see BlockManager)
+            sliding_window=cfg.sliding_window if cfg.sliding_layers else None,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         # Isolation testing: pages start as NaN and every freed block is refilled with NaN.

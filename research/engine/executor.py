@@ -68,6 +68,8 @@ class StepBatch:
     # [N] int32: the next prompt token after each packed token, for requests that want their
     # prompt's log-probabilities; -1 elsewhere
     prompt_targets: jax.Array
+    # [R, M] int32: the sliding-window layers' block tables (models that have them)
+    sliding_block_tables: jax.Array | None = None
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "plan"))
@@ -94,6 +96,7 @@ def model_step(
         batch.row_positions,
         backend=backend,
         plan=plan,
+        sliding_block_tables=batch.sliding_block_tables,
     )
     hidden, cache = forward(params, cfg, batch.tokens[None], batch.positions[None], cache, backend)
     logits = compute_logits(params, cfg, hidden[0, batch.logits_index])  # [R, V]
@@ -265,7 +268,11 @@ class ModelExecutor:
         """``plan``: a ``research.parallel.ShardingPlan`` to split the parameters and the KV pool
         over its devices (tensor / expert parallel); None runs on one device."""
         attention_backend = resolve_attention_backend(
-            attention_backend, dtype, kv_cache_dtype, sharded=plan is not None and plan.size > 1
+            attention_backend,
+            dtype,
+            kv_cache_dtype,
+            sharded=plan is not None and plan.size > 1,
+            cfg=cfg,
         )
         self.cfg = cfg
         self.params = params
@@ -350,6 +357,7 @@ class ModelExecutor:
             np.zeros(r, np.int32),
             SamplingTensors.from_params([_PAD_PARAMS] * r, [0] * r, [0] * r),
             np.full(n, -1, np.int32),
+            np.zeros((r, m), np.int32) if self.pool.layer_slots else None,
         )
 
     def cover_shapes(self, max_attention_bytes: int = 512 << 20) -> list[tuple[int, int, int, int]]:
@@ -409,7 +417,8 @@ class ModelExecutor:
         )
         new_k, new_v = (list(map(_spec, kv)) for kv in lowered.out_info[:2])
         slots = jax.ShapeDtypeStruct((shape[0],), jnp.int32)
-        write = self._write_kv.lower(spec(self.pool), new_k, new_v, slots).compile()
+        sliding = slots if self.pool.layer_slots else None
+        write = self._write_kv.lower(spec(self.pool), new_k, new_v, slots, sliding).compile()
         return lowered.compile(), write
 
     def _store(self, shape: tuple[int, int, int, int], step: Any, write: Any) -> None:
@@ -489,6 +498,9 @@ class ModelExecutor:
         token_col = np.zeros(n, np.int32)
         row_positions = np.full((r, t), -1, np.int32)
         block_tables = np.zeros((r, m), np.int32)
+        hybrid = bool(self.pool.layer_slots)
+        sliding_tables = np.zeros((r, m), np.int32) if hybrid else None
+        sliding_slots = np.full(n, pad_slot, np.int32) if hybrid else None
         logits_index = np.zeros(r, np.int32)
         prompt_targets = np.full(n, -1, np.int32)
         params, seeds, steps = [], [], []
@@ -505,6 +517,13 @@ class ModelExecutor:
             token_col[span] = np.arange(k)
             row_positions[i, :k] = pos
             block_tables[i, : min(len(table), m)] = table[:m]
+            if hybrid:  # -1: slid out of the window (masked; stored nowhere)
+                sliding = np.asarray(seq.sliding_block_ids, np.int32)
+                sliding_tables[i, : min(len(sliding), m)] = np.maximum(sliding[:m], 0)
+                ids = sliding[pos // self.block_size]
+                sliding_slots[span] = np.where(
+                    ids >= 0, ids * self.block_size + pos % self.block_size, pad_slot
+                )
             logits_index[i] = offset + k - 1
             if seq.sampling_params.prompt_logprobs is not None:
                 prompt = seq.prompt_token_ids
@@ -527,6 +546,7 @@ class ModelExecutor:
                 params + [_PAD_PARAMS] * pad, seeds + [0] * pad, steps + [0] * pad
             ),
             prompt_targets,
+            sliding_tables,
         )
         with self._lock:
             self.step_shapes.add(shape)
@@ -539,7 +559,7 @@ class ModelExecutor:
             new_k, new_v, sampled, gaps, lps = model_step(
                 self.params, self.pool, batch, cfg=self.cfg, backend=self.backend, plan=self.plan
             )
-        self.pool = write(self.pool, new_k, new_v, slots)
+        self.pool = write(self.pool, new_k, new_v, slots, sliding_slots)
         sampled, gaps = to_host(sampled), to_host(gaps)
         want = {i for i, p in enumerate(params) if p.logprobs is not None}
         if want:

@@ -3,7 +3,10 @@
 Per layer, K and V pages are laid out [K, B, P, E] (kv heads, blocks in the pool, tokens per
 block, head_dim), the layout of JAX's Pallas paged-attention kernel. A token's slot is
 ``block_id * P + offset``; its K/V are scattered there, then each sequence's context is gathered
-through its block table.
+through its block table. Models with sliding-window layers (gpt-oss) pair each sliding layer
+with a full one on the same pages (``kv_layer_slots``): the sliding layers read and write
+through their own block tables, whose blocks leave the window and return to the pool
+(``research.engine.block_manager``).
 
 Axis legend: N = packed tokens in the call, R = rows (sequences in the call), T = tokens per
 row, M = blocks per row's table, K = kv heads, B = blocks in the pool, P = tokens per block,
@@ -48,6 +51,18 @@ class KVPool:
     v_scales: list[jax.Array] = field(default_factory=list)
     kv_dtype: str = field(default="auto", metadata=dict(static=True))
     page_dtype: str = field(default="", metadata=dict(static=True))
+    # Models with sliding-window layers (``kv_layer_slots``): the list entry each model layer's
+    # pages are in, and which layers index them through the sliding-window block tables. Empty:
+    # one entry per layer, one table.
+    layer_slots: tuple[int, ...] = field(default=(), metadata=dict(static=True))
+    sliding: tuple[bool, ...] = field(default=(), metadata=dict(static=True))
+
+    def slot(self, layer: int) -> int:
+        """The list entry (k[i], v[i], ...) that holds model layer ``layer``."""
+        return self.layer_slots[layer] if self.layer_slots else layer
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.sliding) and self.sliding[layer]
 
     @property
     def quantized(self) -> bool:
@@ -70,6 +85,27 @@ class KVPool:
             return pages
         scales = (self.k_scales if which == "k" else self.v_scales)[layer][:, block_tables]
         return dequantize_kv(pages, scales, self.kv_dtype).astype(dtype)
+
+
+def kv_layer_slots(cfg: ModelConfig) -> tuple[int, ...]:
+    """The pool entry each layer's pages live in. A model with sliding-window layers pairs its
+    i-th sliding layer with its i-th full layer on one entry: the two kinds take block ids from
+    one pool under separate block tables (vLLM's hybrid allocator), so a block's pages serve
+    one kind, and max(sliding, full) entries hold the whole model. Others: one per layer."""
+    if not cfg.sliding_layers:
+        return tuple(range(cfg.num_layers))
+    seen = {True: 0, False: 0}
+    slots = []
+    for layer in range(cfg.num_layers):
+        kind = cfg.layer_window(layer) is not None
+        slots.append(seen[kind])
+        seen[kind] += 1
+    return tuple(slots)
+
+
+def kv_pool_layers(cfg: ModelConfig) -> int:
+    """Page arrays per K (and per V) in the pool: ``max(kv_layer_slots(cfg)) + 1``."""
+    return max(kv_layer_slots(cfg)) + 1
 
 
 def init_kv_pool(
@@ -98,16 +134,28 @@ def init_kv_pool(
             else values
         )
 
+    entries = kv_pool_layers(cfg)
+
     def pages() -> list[jax.Array]:
-        return [page() for _ in range(cfg.num_layers)]
+        return [page() for _ in range(entries)]
 
     def scales() -> list[jax.Array]:
         if kv_cache_dtype == "auto":
             return []
-        return [jnp.full(shape, fill, jnp.float32) for _ in range(cfg.num_layers)]
+        return [jnp.full(shape, fill, jnp.float32) for _ in range(entries)]
 
+    hybrid = cfg.sliding_layers > 0
     return KVPool(
-        pages(), pages(), scales(), scales(), kv_dtype=kv_cache_dtype, page_dtype=page_dtype
+        pages(),
+        pages(),
+        scales(),
+        scales(),
+        kv_dtype=kv_cache_dtype,
+        page_dtype=page_dtype,
+        layer_slots=kv_layer_slots(cfg) if hybrid else (),
+        sliding=tuple(cfg.layer_window(i) is not None for i in range(cfg.num_layers))
+        if hybrid
+        else (),
     )
 
 
@@ -128,11 +176,13 @@ def stores_bits(dtype: Any) -> bool:
 def kv_pool_bytes_per_block(
     cfg: ModelConfig, block_size: int, dtype: Any, kv_cache_dtype: str = "auto"
 ) -> int:
-    """Bytes one block takes across all layers, K and V, codes and scales."""
+    """Bytes one block takes across the pool's layers (``kv_pool_layers``: sliding-window and
+    full layers share one), K and V, codes and scales."""
     code_bytes = kv_code_shape(cfg.head_dim, kv_cache_dtype)[0]
     code_bytes *= kv_code_dtype(kv_cache_dtype, dtype).itemsize
     scale_bytes = 0 if kv_cache_dtype == "auto" else 4
-    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * (code_bytes + scale_bytes)
+    layers = kv_pool_layers(cfg)
+    return 2 * layers * cfg.num_kv_heads * block_size * (code_bytes + scale_bytes)
 
 
 @jax.tree_util.register_dataclass
@@ -164,6 +214,7 @@ class PagedKVCache:
     row_positions: jax.Array  # [R, T] int32: positions of each row's chunk, -1 = padding
     new_k: list[jax.Array] = field(default_factory=list)  # per layer [N, K, E]
     new_v: list[jax.Array] = field(default_factory=list)
+    sliding_block_tables: jax.Array | None = None  # [R, M] int32: sliding-window layers
     backend: str = field(default="xla", metadata=dict(static=True))
     plan: Any = field(default=None, metadata=dict(static=True))  # research.parallel.ShardingPlan
 
@@ -175,8 +226,12 @@ class PagedKVCache:
         v_new: jax.Array,
         positions: jax.Array,
         scale: float,
+        window: int | None = None,
+        sinks: jax.Array | None = None,
     ) -> tuple[jax.Array, PagedKVCache]:
-        """q [1, N, H, E], k_new/v_new [1, N, K, E] packed; positions [1, N] (-1 = padding)."""
+        """q [1, N, H, E], k_new/v_new [1, N, K, E] packed; positions [1, N] (-1 = padding).
+        ``window``: a query at p sees positions > p - window only (sliding-window layers);
+        ``sinks`` [H]: per-head logits added to every softmax denominator (gpt-oss)."""
         if self.backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend {self.backend!r}; available: {ATTENTION_BACKENDS}")
         r, t = self.row_positions.shape
@@ -188,7 +243,8 @@ class PagedKVCache:
         # The native kernel reads a row's context once per query: decode-sized chunks only;
         # prefill chunks (T >= 16) keep the gather path, whose batched dots reuse each key.
         gather = self.backend == "xla" or (self.backend == "native" and t > NATIVE_MAX_T)
-        if self.block_tables.shape[1] == 0:  # a call of fresh prompts: no cached context
+        fresh = self.block_tables.shape[1] == 0  # a call of fresh prompts: no cached context
+        if fresh and window is None and sinks is None:
             q, k_new_rows, v_new_rows = unpack(q[0]), unpack(k_new[0]), unpack(v_new[0])
             if gather:  # the gather path's own formula over no cached keys
                 mask = _new_token_mask(self.row_positions)
@@ -199,17 +255,24 @@ class PagedKVCache:
                 out = out[0].astype(q.dtype)
             return self._pack(out, k_new, v_new)
         attend = _gather_attention if gather else _kernel_attention
+        if window is not None or sinks is not None:
+            attend = functools.partial(attend, window=window, sinks=sinks)
         if self.plan is not None and self.plan.size > 1:
+            if sinks is not None:
+                raise ValueError("tensor parallelism does not split attention sinks (gpt-oss)")
             from research.parallel.ops import sharded_attention
 
             attend = functools.partial(sharded_attention, self.plan, attend)
+        tables = self.block_tables
+        if self.pool.is_sliding(layer):
+            tables = self.sliding_block_tables
         out = attend(
             unpack(q[0]),
             unpack(k_new[0]),
             unpack(v_new[0]),
             self.pool,
-            layer,
-            self.block_tables,
+            self.pool.slot(layer),
+            tables,
             self.row_positions,
             scale,
             self.backend,
@@ -227,11 +290,18 @@ class PagedKVCache:
 
 
 def write_kv(
-    pool: KVPool, new_k: list[jax.Array], new_v: list[jax.Array], slot_mapping: jax.Array
+    pool: KVPool,
+    new_k: list[jax.Array],
+    new_v: list[jax.Array],
+    slot_mapping: jax.Array,
+    sliding_slot_mapping: jax.Array | None = None,
 ) -> KVPool:
     """Scatter new K/V [N, K, E] per layer into the pages at flat slots [N] (block * P +
     offset), quantizing them first for fp8/int4 pools; slots out of range (padding) are
-    dropped. Jit with the pool donated."""
+    dropped. Sliding-window layers of a paired pool (``KVPool.layer_slots``) write at
+    ``sliding_slot_mapping`` [N] instead. Jit with the pool donated."""
+    if pool.layer_slots:
+        return _write_paired(pool, new_k, new_v, slot_mapping, sliding_slot_mapping)
     slots = slot_mapping.reshape(-1)
 
     def write(pages: jax.Array, new: jax.Array, is_page: bool = True) -> jax.Array:
@@ -258,6 +328,35 @@ def write_kv(
     return dataclasses.replace(pool, **out)
 
 
+def _write_paired(
+    pool: KVPool,
+    new_k: list[jax.Array],
+    new_v: list[jax.Array],
+    slot_mapping: jax.Array,
+    sliding_slot_mapping: jax.Array,
+) -> KVPool:
+    """``write_kv`` for a pool whose entries hold one sliding and one full layer each: every
+    layer goes to its entry, at the slots of its own block table."""
+    lists = {name: list(getattr(pool, name)) for name in ("k", "v", "k_scales", "v_scales")}
+    for layer, (k, v) in enumerate(zip(new_k, new_v, strict=True)):
+        slot = pool.slot(layer)
+        slots = sliding_slot_mapping if pool.is_sliding(layer) else slot_mapping
+        one = dataclasses.replace(
+            pool,
+            k=[lists["k"][slot]],
+            v=[lists["v"][slot]],
+            k_scales=lists["k_scales"][slot : slot + 1],
+            v_scales=lists["v_scales"][slot : slot + 1],
+            layer_slots=(),
+            sliding=(),
+        )
+        one = write_kv(one, [k], [v], slots)
+        for name in lists:
+            if lists[name]:
+                lists[name][slot] = getattr(one, name)[0]
+    return dataclasses.replace(pool, **lists)
+
+
 def _gather_attention(
     q: jax.Array,
     k_new: jax.Array,
@@ -268,12 +367,15 @@ def _gather_attention(
     positions: jax.Array,
     scale: float,
     backend: str,
+    window: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Pure-XLA paged attention: gather each row's blocks, append the new tokens, masked GQA.
 
     Rows hold contiguous positions start..start+T-1 (padding -1). A query at position p sees its
-    row's cached positions < start and the new tokens at positions <= p; everything else (other
-    rows' blocks, unused table entries, NaN-filled free blocks) is masked out exactly."""
+    row's cached positions < start and the new tokens at positions <= p, and with a ``window``
+    only those > p - window; everything else (other rows' blocks, unused table entries,
+    NaN-filled free blocks, blocks that slid out of the window) is masked out exactly."""
     del backend
     r, m = block_tables.shape
     kvh, _, p = pool.k[layer].shape[:3]
@@ -288,14 +390,19 @@ def _gather_attention(
     valid_q = (positions >= 0)[:, :, None]  # [R, T, 1]
     ctx_pos = jnp.arange(m * p)
     mask_ctx = (ctx_pos[None, None, :] < start[:, None, None]) & valid_q  # [R, T, M*P]
-    mask = jnp.concatenate([mask_ctx, _new_token_mask(positions)], axis=-1)  # [R, T, M*P + T]
-    return grouped_query_attention(q, gather("k", k_new), gather("v", v_new), mask, scale)
+    if window is not None:
+        mask_ctx &= ctx_pos[None, None, :] > positions[:, :, None] - window
+    mask = jnp.concatenate([mask_ctx, _new_token_mask(positions, window)], axis=-1)
+    return grouped_query_attention(q, gather("k", k_new), gather("v", v_new), mask, scale, sinks)
 
 
-def _new_token_mask(positions: jax.Array) -> jax.Array:
-    """[R, T, T]: a query at position p sees its row's new tokens at positions <= p."""
+def _new_token_mask(positions: jax.Array, window: int | None = None) -> jax.Array:
+    """[R, T, T]: a query at position p sees its row's new tokens at positions <= p (and
+    > p - window)."""
     valid_q = (positions >= 0)[:, :, None]
     causal = (positions[:, None, :] <= positions[:, :, None]) & (positions[:, None, :] >= 0)
+    if window is not None:
+        causal &= positions[:, None, :] > positions[:, :, None] - window
     return causal & valid_q
 
 
@@ -309,13 +416,21 @@ def _kernel_attention(
     positions: jax.Array,
     scale: float,
     backend: str,
+    window: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """The cached context through a paged-attention kernel that reads the pages in place (the
     Pallas kernel, or the native CPU one for ``backend="native"``), merged with attention over
-    the call's new tokens: out = (w_c * out_c + w_n * out_n) / (w_c + w_n), w = exp(lse - max).
+    the call's new tokens: out = (w_c * out_c + w_n * out_n) / (w_c + w_n + w_s),
+    w = exp(lse - max), w_s = exp(sink - max) with attention sinks (0 without).
 
     Every query token becomes one kernel query with its row's block table and the row's cached
     length (its start position), so a prefill chunk of T tokens costs T decode queries."""
+    if window is not None:
+        raise ValueError(
+            f"attention_backend {backend!r}: the paged-attention kernel has no sliding window; "
+            "use attention_backend='xla' for models with sliding-window layers"
+        )
     r, t, h, e = q.shape
     start = jnp.maximum(positions[:, 0], 0)  # cached tokens per row (0 for padding rows)
     tables, lengths = jnp.repeat(block_tables, t, axis=0), jnp.repeat(start, t)
@@ -333,9 +448,15 @@ def _kernel_attention(
     ctx_out = ctx_out.reshape(r, t, h, e).astype(jnp.float32)
     ctx_lse = ctx_lse.reshape(r, t, h)
     top = jnp.maximum(ctx_lse, new_lse)
+    if sinks is not None:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32), top.shape)  # [R, T, H]
+        top = jnp.maximum(top, sink)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     w_ctx, w_new = jnp.exp(ctx_lse - top), jnp.exp(new_lse - top)  # 0 where a side is empty
-    denom = jnp.where(w_ctx + w_new > 0, w_ctx + w_new, 1.0)
+    total = w_ctx + w_new
+    if sinks is not None:
+        total = total + jnp.exp(sink - top)
+    denom = jnp.where(total > 0, total, 1.0)
     out = (w_ctx[..., None] * ctx_out + w_new[..., None] * new_out) / denom[..., None]
     return out.astype(q.dtype)
 
@@ -400,8 +521,11 @@ def _pallas_context(
     )
 
 
-def native_supports(dtype: Any, kv_cache_dtype: str) -> str | None:
-    """Why the native CPU attention cannot serve a pool of ``dtype`` pages (None = it can)."""
+def native_supports(dtype: Any, kv_cache_dtype: str, cfg: ModelConfig | None = None) -> str | None:
+    """Why the native CPU attention cannot serve a pool of ``dtype`` pages for ``cfg`` (None =
+    it can)."""
+    if cfg is not None and (cfg.attention_sinks or "sliding_attention" in cfg.layer_types):
+        return f"{cfg.name}'s sliding windows and attention sinks (the kernel has neither)"
     if kv_cache_dtype != "auto":
         return f"kv_cache_dtype={kv_cache_dtype!r} (native attention reads float32/bfloat16 pages)"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
@@ -416,13 +540,17 @@ def native_supports(dtype: Any, kv_cache_dtype: str) -> str | None:
 
 
 def resolve_attention_backend(
-    backend: str, dtype: Any, kv_cache_dtype: str, sharded: bool = False
+    backend: str,
+    dtype: Any,
+    kv_cache_dtype: str,
+    sharded: bool = False,
+    cfg: ModelConfig | None = None,
 ) -> str:
-    """``"auto"``: the native CPU kernel where it serves this pool (CPU, float32/bfloat16 pages,
-    one device, the library built), else the XLA reference. An explicit ``"native"`` that
-    cannot serve is an error naming why."""
+    """``"auto"``: the native CPU kernel where it serves this pool and model (CPU,
+    float32/bfloat16 pages, one device, no sliding windows or sinks, the library built), else
+    the XLA reference. An explicit ``"native"`` that cannot serve is an error naming why."""
     if backend == "auto":
-        if sharded or native_supports(dtype, kv_cache_dtype) is not None:
+        if sharded or native_supports(dtype, kv_cache_dtype, cfg) is not None:
             return "xla"
         return "native"
     if backend not in ATTENTION_BACKENDS:
@@ -430,7 +558,11 @@ def resolve_attention_backend(
             f"attention_backend must be 'auto' or one of {ATTENTION_BACKENDS}, got {backend!r}"
         )
     if backend == "native":
-        why = "tensor/expert parallel plans" if sharded else native_supports(dtype, kv_cache_dtype)
+        why = (
+            "tensor/expert parallel plans"
+            if sharded
+            else native_supports(dtype, kv_cache_dtype, cfg)
+        )
         if why is not None:
             raise ValueError(f'attention_backend="native" cannot serve {why}; use "xla"')
     return backend

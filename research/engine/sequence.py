@@ -34,6 +34,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # Sliding-window layers' table (models that have them): entry i holds the same positions as
+    # block_ids[i], or -1 once they slid out of the window (the block went back to the pool).
+    sliding_block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
     num_preemptions: int = 0

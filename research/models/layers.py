@@ -32,13 +32,15 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-    """Inverse frequencies [E/2] in float32, with Llama-3 frequency-dependent scaling if given."""
+    """Inverse frequencies [E/2] in float32, with Llama-3 or YaRN scaling if given."""
     inv_freq = 1.0 / (
         theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim)
     )
     inv_freq = inv_freq.astype(np.float32)
     if scaling is None:
         return inv_freq
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     old_len = scaling.original_max_position_embeddings
     low_freq_wavelen = old_len / scaling.low_freq_factor
     high_freq_wavelen = old_len / scaling.high_freq_factor
@@ -54,12 +56,48 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """YaRN (HF's ``_compute_yarn_parameters``): dimensions that rotate more than ``beta_fast``
+    times over the original context keep their frequency, those under ``beta_slow`` are
+    interpolated by ``factor``, with a linear ramp between (bounds rounded outward when
+    ``truncate``)."""
+    pos_freqs = theta ** (np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim))
+    extrapolation = (1.0 / pos_freqs).astype(np.float32)
+    interpolation = (1.0 / (np.float32(scaling.factor) * pos_freqs)).astype(np.float32)
+    old_len = scaling.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as HF: no zero-width ramp
+    ramp = (np.arange(head_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low)
+    keep = (1 - np.clip(ramp, 0, 1)).astype(np.float32)  # 1 = extrapolate (original frequency)
+    return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)
+
+
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+    """The gain YaRN puts on cos and sin (1 for every other RoPE)."""
+    if scaling is None or scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return float(scaling.attention_factor)
+    return 1.0 if scaling.factor <= 1 else 0.1 * math.log(scaling.factor) + 1.0
+
+
 def rope_cos_sin(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """cos and sin tables [..., E] for integer positions [...] (HF's half-split layout)."""
     inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., E/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)  # [..., E]
-    return jnp.cos(emb), jnp.sin(emb)
+    gain = rope_attention_factor(cfg.rope_scaling)
+    if gain == 1.0:
+        return jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(emb) * gain, jnp.sin(emb) * gain
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -122,13 +160,19 @@ def swiglu(
 
 
 def grouped_query_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    scale: float,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Masked softmax attention with grouped KV heads.
 
     q [B, T, H, E], k and v [B, K, S, E], mask [B, T, S] (True = attend) -> [B, T, H, E].
     Scores and softmax run in float32. Masked keys contribute exactly zero, even when the cache
-    holds NaN or garbage there.
+    holds NaN or garbage there. ``sinks`` [H] (gpt-oss): one more logit per head in every
+    softmax denominator, attached to no value.
     """
     b, t, h, e = q.shape
     kvh = k.shape[1]
@@ -138,7 +182,13 @@ def grouped_query_attention(
     scores = jnp.einsum("BKGTE,BKSE->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
     m = mask[:, None, None, :, :]
     scores = jnp.where(m, scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        sink = jnp.broadcast_to(
+            sinks.astype(jnp.float32).reshape(1, kvh, h // kvh, 1, 1), (*scores.shape[:-1], 1)
+        )
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
     probs = jnp.where(m, probs, 0.0).astype(v.dtype)
     v = jnp.where(mask.any(axis=1)[:, None, :, None], v, jnp.zeros((), v.dtype))
     out = jnp.einsum("BKGTS,BKSE->BKGTE", probs, v, preferred_element_type=jnp.float32)

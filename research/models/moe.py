@@ -1,4 +1,6 @@
-"""Qwen3-MoE (A3B) sparse MLP: softmax router over all experts, top-k, SwiGLU experts.
+"""Sparse MoE MLP: Qwen3-MoE (A3B: softmax router over all experts, top-k, SwiGLU experts) and
+gpt-oss (router with a bias, softmax over the top-k logits, experts with biases and a clamped
+SwiGLU).
 
 Tokens are sorted by expert and each expert's contiguous slice is multiplied by that expert's
 weights with one grouped GEMM (``grouped_matmul``, ``jax.lax.ragged_dot`` semantics); the Pallas
@@ -19,10 +21,22 @@ from research.quant import QTensor, dequantize
 
 
 def route(
-    x: jax.Array, w_router: jax.Array, top_k: int, norm_topk_prob: bool
+    x: jax.Array,
+    w_router: jax.Array,
+    top_k: int,
+    norm_topk_prob: bool,
+    bias: jax.Array | None = None,
+    softmax_after_topk: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Router: x [N, D], w_router [D, E] -> (weights [N, A] float32, expert ids [N, A] int32)."""
-    logits = (x @ w_router).astype(jnp.float32)  # [N, E]
+    """Router: x [N, D], w_router [D, E] (bias [E]) -> (weights [N, A] float32, expert ids
+    [N, A] int32). ``softmax_after_topk`` (gpt-oss): the top-k logits, then a softmax over them."""
+    logits = x @ w_router
+    if bias is not None:
+        logits = logits + bias.astype(logits.dtype)
+    logits = logits.astype(jnp.float32)  # [N, E]
+    if softmax_after_topk:
+        top, experts = jax.lax.top_k(logits, top_k)
+        return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
     probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
     if norm_topk_prob:
@@ -63,18 +77,38 @@ def moe_mlp(
     norm_topk_prob: bool,
     backend: str = "xla",
     plan: Any = None,
+    router_bias: jax.Array | None = None,
+    softmax_after_topk: bool = False,
+    biases: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    swiglu_limit: float | None = None,
+    swiglu_alpha: float = 1.702,
 ) -> jax.Array:
-    """x [N, D] -> [N, D]. Expert weights: w_gate, w_up [E, D, F]; w_down [E, F, D].
+    """x [N, D] -> [N, D]. Expert weights: w_gate, w_up [E, D, F]; w_down [E, F, D]; optional
+    ``biases`` (b_gate, b_up [E, F], b_down [E, D]) and ``swiglu_limit`` (see ``clamped_swiglu``).
 
     With an expert-parallel ``plan`` (``research.parallel.ShardingPlan``) each device holds E/n
     experts and runs the rows routed to them; the partial outputs are summed over the devices
     (the tokens are replicated there, as after tensor-parallel attention)."""
-    weights, experts = route(x, w_router, top_k, norm_topk_prob)  # [N, A]
+    weights, experts = route(
+        x, w_router, top_k, norm_topk_prob, router_bias, softmax_after_topk
+    )  # [N, A]
     if plan is not None and plan.expert_parallel and plan.size > 1:
+        if biases is not None or swiglu_limit is not None:
+            raise ValueError("expert parallelism does not support experts with biases (gpt-oss)")
         from research.parallel.ops import expert_parallel
 
         return expert_parallel(plan, _experts, x, weights, experts, w_gate, w_up, w_down, backend)
-    return _experts(x, weights, experts, w_gate, w_up, w_down, backend)
+    return _experts(
+        x, weights, experts, w_gate, w_up, w_down, backend, biases, swiglu_limit, swiglu_alpha
+    )
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float, alpha: float) -> jax.Array:
+    """gpt-oss's expert activation: gate clamped to <= limit, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
 
 
 def _experts(
@@ -85,6 +119,9 @@ def _experts(
     w_up: jax.Array | QTensor,
     w_down: jax.Array | QTensor,
     backend: str,
+    biases: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    swiglu_limit: float | None = None,
+    swiglu_alpha: float = 1.702,
 ) -> jax.Array:
     """The routed rows through the experts held here: ``experts`` [N, A] index ``w_*``'s
     leading axis; an id outside [0, E) (an expert held elsewhere) skips its row."""
@@ -99,9 +136,18 @@ def _experts(
     group_sizes = group_sizes.astype(jnp.int32)
 
     xs = x[token_of_row]  # [R, D]
-    h = jax.nn.silu(grouped_matmul(xs, w_gate, group_sizes, backend)) * grouped_matmul(
-        xs, w_up, group_sizes, backend
-    )  # [R, F]
+    gate = grouped_matmul(xs, w_gate, group_sizes, backend)  # [R, F]
+    up = grouped_matmul(xs, w_up, group_sizes, backend)
+    if biases is not None:
+        row_expert = jnp.minimum(flat_experts[order], num_experts - 1)  # [R]
+        gate = gate + biases[0][row_expert].astype(gate.dtype)
+        up = up + biases[1][row_expert].astype(up.dtype)
+    if swiglu_limit is None:
+        h = jax.nn.silu(gate) * up
+    else:
+        h = clamped_swiglu(gate, up, swiglu_limit, swiglu_alpha)
     ys = grouped_matmul(h, w_down, group_sizes, backend)  # [R, D]
+    if biases is not None:
+        ys = ys + biases[2][row_expert].astype(ys.dtype)
     row_weight = jnp.where(here, weights.reshape(-1), 0.0)[order].astype(ys.dtype)  # [R]
     return jnp.zeros_like(x).at[token_of_row].add(ys * row_weight[:, None])

@@ -12,6 +12,31 @@ import dataclasses
 
 from research.config import ModelConfig, RopeScaling
 
+# gpt-oss: YaRN over a 4,096-token original context, not truncated (openai/gpt-oss config.json).
+_GPT_OSS_YARN = RopeScaling(
+    rope_type="yarn", factor=32.0, original_max_position_embeddings=4096, truncate=False
+)
+
+
+def _gpt_oss_switches(num_layers: int, window: int) -> dict:
+    """gpt-oss's architecture switches: sliding-window layers first, alternating with full
+    ones, attention biases and sinks, a biased top-k-then-softmax router, biased experts with
+    the clamped SwiGLU."""
+    return dict(
+        sliding_window=window,
+        layer_types=tuple(
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+        ),
+        attention_bias=True,
+        attention_sinks=True,
+        router_bias=True,
+        softmax_after_topk=True,
+        norm_topk_prob=False,
+        expert_bias=True,
+        swiglu_limit=7.0,
+    )
+
+
 PRESETS: dict[str, ModelConfig] = {
     c.name: c
     for c in [
@@ -85,7 +110,8 @@ PRESETS: dict[str, ModelConfig] = {
             rope_theta=150000.0,
             rms_norm_eps=1e-5,
             max_position_embeddings=131072,
-            sliding_window=128,
+            rope_scaling=_GPT_OSS_YARN,
+            **_gpt_oss_switches(36, window=128),
             eos_token_ids=(200002, 199999),
         ),
         # Tiny random models for tests: same code paths, milliseconds per step.
@@ -137,6 +163,27 @@ PRESETS: dict[str, ModelConfig] = {
             qk_norm=True,
             rope_theta=1e6,
             max_position_embeddings=512,
+            eos_token_ids=(2,),
+        ),
+        ModelConfig(
+            name="tiny-gpt-oss",
+            architecture="gpt_oss",
+            vocab_size=256,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=4,
+            moe_intermediate_size=32,
+            rope_theta=150000.0,
+            rope_scaling=RopeScaling(
+                rope_type="yarn", factor=32.0, original_max_position_embeddings=32, truncate=False
+            ),
+            rms_norm_eps=1e-5,
+            max_position_embeddings=512,
+            **_gpt_oss_switches(2, window=8),
             eos_token_ids=(2,),
         ),
     ]

@@ -21,6 +21,15 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     }
     if cfg.qk_norm:
         layer |= {"q_norm": (e,), "k_norm": (e,)}
+    if cfg.attention_bias:
+        layer |= {
+            "bq": (cfg.num_heads * e,),
+            "bk": (cfg.num_kv_heads * e,),
+            "bv": (cfg.num_kv_heads * e,),
+            "bo": (d,),
+        }
+    if cfg.attention_sinks:
+        layer["sinks"] = (cfg.num_heads,)
     if cfg.is_moe:
         x, f = cfg.num_experts, cfg.moe_intermediate_size
         layer |= {
@@ -29,6 +38,10 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
             "w_up": (x, d, f),
             "w_down": (x, f, d),
         }
+        if cfg.router_bias:
+            layer["router_bias"] = (x,)
+        if cfg.expert_bias:
+            layer |= {"b_gate": (x, f), "b_up": (x, f), "b_down": (x, d)}
     else:
         f = cfg.intermediate_size
         layer |= {"w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}

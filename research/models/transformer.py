@@ -1,4 +1,4 @@
-"""The decoder stack shared by dense (Llama, Qwen3) and MoE (Qwen3-MoE) models.
+"""The decoder stack shared by dense (Llama, Qwen3) and MoE (Qwen3-MoE, gpt-oss) models.
 
 Params are a plain dict pytree with one dict per layer. Matrices are stored [in, out].
 
@@ -9,9 +9,12 @@ Params are a plain dict pytree with one dict per layer. Matrices are stored [in,
           "attn_norm": [D], "mlp_norm": [D],
           "wq": [D, H*E], "wk": [D, K*E], "wv": [D, K*E], "wo": [H*E, D],
           "q_norm": [E], "k_norm": [E],                          # qk_norm models only
+          "bq": [H*E], "bk": [K*E], "bv": [K*E], "bo": [D],      # attention_bias (gpt-oss)
+          "sinks": [H],                                          # attention_sinks (gpt-oss)
           "w_gate": [D, F], "w_up": [D, F], "w_down": [F, D],    # dense MLP
           "router": [D, X],                                      # MoE: X experts
           "w_gate": [X, D, F], "w_up": [X, D, F], "w_down": [X, F, D],
+          "router_bias": [X], "b_gate": [X, F], "b_up": [X, F], "b_down": [X, D],  # gpt-oss
         },
       ],
       "final_norm": [D],
@@ -23,7 +26,8 @@ layer out of stacked weights copies it every step (measured 2.3x slower decode f
 
 The KV cache is explicit state: ``forward(params, cfg, tokens, positions, cache) -> (hidden,
 cache)``. The cache object decides how new K/V are written and how attention reads them (a
-contiguous per-sequence cache here, a paged pool in the engine).
+contiguous per-sequence cache here, a paged pool in the engine); a sliding-window layer passes
+its ``window`` and a model with attention sinks its per-head ``sinks`` to it.
 """
 
 from __future__ import annotations
@@ -104,8 +108,12 @@ class ContiguousKVCache:
         v_new: jax.Array,
         positions: jax.Array,
         scale: float,
+        window: int | None = None,
+        sinks: jax.Array | None = None,
     ) -> tuple[jax.Array, ContiguousKVCache]:
-        """q [B, T, H, E], k_new/v_new [B, T, K, E], positions [B, T] -> ([B, T, H, E], cache)."""
+        """q [B, T, H, E], k_new/v_new [B, T, K, E], positions [B, T] -> ([B, T, H, E], cache).
+        ``window``: a query at p sees positions p - window + 1 .. p only; ``sinks`` [H]: see
+        ``grouped_query_attention``."""
         b, t = positions.shape
         s = self.max_len
         # Padding (position < 0) is sent out of bounds and dropped by the scatter.
@@ -119,10 +127,19 @@ class ContiguousKVCache:
         )
         key_pos = jnp.arange(s)
         mask = (key_pos[None, None, :] <= positions[:, :, None]) & (positions[:, :, None] >= 0)
-        out = grouped_query_attention(q, k_layer, v_layer, mask, scale)
+        if window is not None:
+            mask &= key_pos[None, None, :] > positions[:, :, None] - window
+        out = grouped_query_attention(q, k_layer, v_layer, mask, scale, sinks)
         k, v = list(self.k), list(self.v)
         k[layer], v[layer] = k_layer, v_layer
         return out, ContiguousKVCache(k, v)
+
+
+def _project(x: jax.Array, lp: Params, which: str, backend: str) -> jax.Array:
+    """Attention projection ``w{which}`` (q, k, v or o), plus its bias if the layer has one."""
+    y = linear(x, lp[f"w{which}"], backend)
+    bias = lp.get(f"b{which}")
+    return y if bias is None else y + bias.astype(y.dtype)
 
 
 def _layer(
@@ -141,16 +158,21 @@ def _layer(
     e, h, kvh = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
 
     hidden = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q = linear(hidden, lp["wq"], backend).reshape(b, t, h, e)
-    k = linear(hidden, lp["wk"], backend).reshape(b, t, kvh, e)
-    v = linear(hidden, lp["wv"], backend).reshape(b, t, kvh, e)
+    q = _project(hidden, lp, "q", backend).reshape(b, t, h, e)
+    k = _project(hidden, lp, "k", backend).reshape(b, t, kvh, e)
+    v = _project(hidden, lp, "v", backend).reshape(b, t, kvh, e)
     if cfg.qk_norm:  # Qwen3: RMSNorm over each head's vector, before RoPE
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
-    attn, cache = cache.update_and_attend(layer, q, k, v, positions, e**-0.5)
-    x = x + linear(attn.reshape(b, t, h * e), lp["wo"], backend)
+    extra: dict[str, Any] = {}  # only models that have them pass window / sinks
+    if cfg.layer_window(layer) is not None:
+        extra["window"] = cfg.layer_window(layer)
+    if cfg.attention_sinks:
+        extra["sinks"] = lp["sinks"]
+    attn, cache = cache.update_and_attend(layer, q, k, v, positions, e**-0.5, **extra)
+    x = x + _project(attn.reshape(b, t, h * e), lp, "o", backend)
 
     hidden = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     if cfg.is_moe:
@@ -164,6 +186,11 @@ def _layer(
             norm_topk_prob=cfg.norm_topk_prob,
             backend=backend,
             plan=getattr(cache, "plan", None),  # expert parallelism rides on the paged cache
+            router_bias=lp.get("router_bias"),
+            softmax_after_topk=cfg.softmax_after_topk,
+            biases=(lp["b_gate"], lp["b_up"], lp["b_down"]) if cfg.expert_bias else None,
+            swiglu_limit=cfg.swiglu_limit,
+            swiglu_alpha=cfg.swiglu_alpha,
         ).reshape(b, t, d)
     else:
         mlp = swiglu(hidden, lp["w_gate"], lp["w_up"], lp["w_down"], backend)

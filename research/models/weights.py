@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from research.config import ModelConfig, RopeScaling
+from research.models.gpt_oss import config_from_hf_gpt_oss, read_gpt_oss_layer
 from research.models.transformer import Params, param_shapes
 from research.quant.hf import checkpoint_quantization, read_linear, stack_experts
 from research.quant.qtensor import QTensor
@@ -210,10 +211,14 @@ def load_gguf(
 
 
 def config_from_hf(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
-    """ModelConfig from an HF ``config.json`` dict (llama, qwen3, qwen3_moe)."""
+    """ModelConfig from an HF ``config.json`` dict (llama, qwen3, qwen3_moe, gpt_oss)."""
     model_type = hf.get("model_type")
+    if model_type == "gpt_oss":
+        return config_from_hf_gpt_oss(hf, name or hf.get("_name_or_path") or model_type)
     if model_type not in ("llama", "qwen3", "qwen3_moe"):
-        raise ValueError(f"HF model_type {model_type!r} is not supported (llama, qwen3, qwen3_moe)")
+        raise ValueError(
+            f"HF model_type {model_type!r} is not supported (llama, qwen3, qwen3_moe, gpt_oss)"
+        )
     # transformers 5 nests RoPE settings in "rope_parameters"; older files use top-level keys.
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
@@ -312,6 +317,9 @@ def load_hf_safetensors(
     per_layer = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
+        if cfg.architecture == "gpt_oss":
+            per_layer.append(read_gpt_oss_layer(tensors.get, t, linear, p, jnp.dtype(dtype).name))
+            continue
         layer = {
             "attn_norm": t(p + "input_layernorm.weight"),
             "mlp_norm": t(p + "post_attention_layernorm.weight"),

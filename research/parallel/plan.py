@@ -32,6 +32,16 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "w_up": ("embed", "ffn"),
     "w_down": ("ffn", "embed"),
     "router": ("embed", "router_experts"),
+    # gpt-oss: attention biases and sinks, router bias, expert biases
+    "bq": ("q_heads",),
+    "bk": ("kv_heads",),
+    "bv": ("kv_heads",),
+    "bo": ("embed",),
+    "sinks": ("q_heads",),
+    "router_bias": ("router_experts",),
+    "b_gate": ("experts", "expert_ffn"),
+    "b_up": ("experts", "expert_ffn"),
+    "b_down": ("experts", "embed"),
 }
 MOE_AXES: dict[str, tuple[str, ...]] = {
     "w_gate": ("experts", "embed", "expert_ffn"),

@@ -15,11 +15,15 @@ Operator classes (``CostModel.breakdown`` keeps each one's bytes, FLOPs and seco
   such weight as stored (``kv_capacity.quantized_bytes`` for AWQ / NVFP4 / MXFP4 / FP8; router
   and norms in ``dtype``) + the activations in and out; FLOPs ``2 * params * tokens``.
 - ``expert_gemm``: the grouped expert GEMMs. Bytes: the DISTINCT experts the step routes to per
-  layer (``research.perf.routing``, law ``moe_routing``) times one expert's stored bytes, plus
-  the routed activations; FLOPs ``2 * k * expert_params * tokens``.
+  layer (``research.perf.routing``, law ``moe_routing``) times one expert's stored bytes (its
+  biases included, gpt-oss), plus the routed activations; FLOPs ``2 * k * expert_params *
+  tokens``. gpt-oss in MXFP4 is priced as openai ships it: MXFP4 experts, bf16 attention
+  (``research.quant.layout.quantized_keys``).
 - ``attention``: per layer, K and V of every sequence's context read once (flash style), as
   whole pages (the last page is read in full), plus the new K/V written; FLOPs
-  ``4 * heads * head_dim`` per causal query-key pair. Small pages cost bandwidth: each page and
+  ``4 * heads * head_dim`` per causal query-key pair. Sliding-window layers (gpt-oss) read only
+  the pages that hold the window's keys and pair each query with at most ``sliding_window``
+  keys; attention sinks add one logit per query and head (``SINK_FLOPS``). Small pages cost bandwidth: each page and
   kv head is a separate gather behind a page-table read, priced as ``PAGE_OVERHEAD_BYTES`` extra
   per transfer (``page_efficiency``); those reads reach ``attention_read_efficiency`` of the read
   bandwidth (1 for a kernel that streams pages; our XLA path's gather is slower, see host_model).
@@ -71,10 +75,12 @@ from research.perf.routing import (
     distinct_experts,
     expected_distinct_experts,
 )
-from research.quant.layout import QUANTIZED_KEYS
+from research.quant.layout import EXPERT_KEYS, quantized_keys
 
 MOE_ROUTINGS = ROUTING_LAWS
-EXPERT_KEYS = ("w_gate", "w_up", "w_down")
+EXPERT_BIAS_KEYS = ("b_gate", "b_up", "b_down")  # gpt-oss: read with their expert
+# Attention sinks: the sink's exp and its add to the denominator, per query, head and layer.
+SINK_FLOPS = 2
 # Norms (2 per layer), RoPE, residual adds (2), SwiGLU product: ~8 reads/writes of a hidden
 # vector per token and layer, in the activation dtype.
 ELEMENTWISE_ACCESSES = 8
@@ -143,6 +149,10 @@ class StepWork:
     kv_pages: float  # pages read per layer and kv head
     attention_pairs: float  # query-key pairs per layer and head
     kv_write_tokens: int
+    # The same per sliding-window layer (None: those layers read like full ones, as our XLA
+    # engine's gather does).
+    window_read_tokens: float | None = None
+    window_pairs: float | None = None
 
 
 @dataclass(frozen=True)
@@ -254,6 +264,7 @@ class CostModel:
         self.compute_dtype, self.dequantizes = gemm_format(quantization, self.hw, dtype)
         self.peak_flops = self.hw.sustained_flops(self.compute_dtype)
         self.kv_bytes_per_token = kv_bytes_per_token(self.cfg, kv_cache_dtype, dtype)
+        self.kv_bytes_per_layer_token = self.kv_bytes_per_token / self.cfg.num_layers
         head_bytes = self.kv_bytes_per_token / (2 * self.cfg.num_layers * self.cfg.num_kv_heads)
         self.page_efficiency = page_efficiency(block_size, head_bytes)
 
@@ -261,8 +272,10 @@ class CostModel:
         self.act_bytes = elem  # activations between kernels are in the model dtype
         shapes = param_shapes(cfg)
 
+        keys = quantized_keys(cfg.architecture)
+
         def stored(key: str, shape: tuple[int, ...]) -> int:
-            if quantization is not None and key in QUANTIZED_KEYS:
+            if quantization is not None and key in keys:
                 return quantized_bytes(shape, quantization)
             return math.prod(shape) * elem
 
@@ -275,7 +288,9 @@ class CostModel:
         for layer in shapes["layers"]:
             per_expert = 0
             for key, shape in layer.items():
-                if cfg.is_moe and key in EXPERT_KEYS:
+                if cfg.is_moe and key in EXPERT_BIAS_KEYS:
+                    per_expert += stored(key, shape[1:])
+                elif cfg.is_moe and key in EXPERT_KEYS:
                     per_expert += stored(key, shape[1:])
                     self.expert_params = sum(math.prod(layer[k][1:]) for k in EXPERT_KEYS)
                 else:
@@ -314,6 +329,15 @@ class CostModel:
         """The kernel work of a step: one call over the packed tokens, no padding (vLLM)."""
         bs = self.block_size
         pages = [math.ceil((c + n) / bs) for n, c in shape.seqs]
+        window = self.cfg.sliding_window if self.cfg.sliding_layers else None
+        window_pages = window_pairs = None
+        if window is not None:
+            # Keys max(0, c - W + 1) .. c + n - 1 are visible to some query of the chunk; the
+            # pages that hold them are read whole.
+            window_pages = sum(
+                (c + n - 1) // bs - max(0, c - window + 1) // bs + 1 for n, c in shape.seqs
+            )
+            window_pairs = float(sum(_window_pairs(n, c, window) for n, c in shape.seqs))
         return [
             StepWork(
                 tokens=shape.num_tokens,
@@ -324,6 +348,8 @@ class CostModel:
                 # Causal keys over a chunk: sum_{i<n} (c + i + 1) = n*c + n(n+1)/2.
                 attention_pairs=float(sum(n * c + n * (n + 1) // 2 for n, c in shape.seqs)),
                 kv_write_tokens=shape.num_tokens,
+                window_read_tokens=None if window is None else float(window_pages * bs),
+                window_pairs=window_pairs,
             )
         ]
 
@@ -357,10 +383,17 @@ class CostModel:
                 bw,
                 self.gemm_throughput(expert=True),
             )
-        kv_read = w.kv_read_tokens * self.kv_bytes_per_token
+        sliding = cfg.sliding_layers if w.window_read_tokens is not None else 0
+        read_tokens = w.kv_read_tokens * (layers - sliding)  # summed over layers
+        pairs = w.attention_pairs * (layers - sliding)
+        if sliding:
+            read_tokens += w.window_read_tokens * sliding
+            pairs += w.window_pairs * sliding
+        sink_flops = SINK_FLOPS * cfg.num_heads * w.tokens * layers if cfg.attention_sinks else 0
+        kv_read = read_tokens * self.kv_bytes_per_layer_token
         ops["attention"] = (
             kv_read / self.page_efficiency + w.kv_write_tokens * self.kv_bytes_per_token,
-            4.0 * cfg.num_heads * cfg.head_dim * w.attention_pairs * layers,
+            4.0 * cfg.num_heads * cfg.head_dim * pairs + sink_flops,
             bw * p.attention_read_efficiency,
             p.attention_efficiency * bf16,
         )
@@ -470,6 +503,13 @@ class CostModel:
             block_size=self.block_size,
             expert_parallel=self.split.expert_parallel,
         )
+
+
+def _window_pairs(n: int, c: int, window: int) -> int:
+    """Query-key pairs of a chunk of n queries at positions c .. c + n - 1 when each sees at
+    most ``window`` keys: sum_{i<n} min(c + i + 1, window)."""
+    unclipped = max(0, min(n, window - c))  # queries that still see all c + i + 1 keys
+    return unclipped * c + unclipped * (unclipped + 1) // 2 + (n - unclipped) * window
 
 
 def with_params(model: CostModel, **changes: Any) -> CostModel:

@@ -27,7 +27,7 @@ from typing import Any
 from research.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES, ModelConfig
 from research.models.shapes import param_shapes
 from research.perf.hardware import GiB, Hardware, get_hardware
-from research.quant.layout import AWQ_PACK, GROUP_SIZES, QUANTIZED_KEYS, awq_group_size
+from research.quant.layout import AWQ_PACK, GROUP_SIZES, awq_group_size, quantized_keys
 
 DTYPE_BYTES = {
     "float32": 4,
@@ -137,7 +137,9 @@ def weight_bytes(
     (``QUANTIZED_KEYS``: q/k/v/o and the MLP's or the stacked experts' gate/up/down) are counted
     in that format's storage (``quantized_bytes``); the embedding, lm_head, norms and MoE router
     stay in ``dtype``, as ``research.quant.quantize_params`` leaves them. Equals
-    ``research.quant.weight_bytes(quantize_params(init_params(cfg, key, dtype), quantization))``.
+    ``research.quant.weight_bytes(quantize_params(init_params(cfg, key, dtype), quantization))``
+    except for gpt-oss, counted as openai ships it: quantized experts, everything else in
+    ``dtype`` (``research.quant.layout.quantized_keys``).
     """
     cfg = resolve_model(model)
     if quantization not in QUANTIZATION_CHOICES:
@@ -147,9 +149,10 @@ def weight_bytes(
     elem = dtype_bytes(dtype)
     shapes = param_shapes(cfg)
     total = sum(math.prod(s) * elem for key, s in shapes.items() if key != "layers")
+    keys = quantized_keys(cfg.architecture)
     for layer in shapes["layers"]:
         for key, shape in layer.items():
-            if quantization is not None and key in QUANTIZED_KEYS:
+            if quantization is not None and key in keys:
                 total += quantized_bytes(shape, quantization)
             else:
                 total += math.prod(shape) * elem
@@ -157,7 +160,10 @@ def weight_bytes(
 
 
 def kv_bytes_per_token(
-    model: str | ModelConfig, kv_cache_dtype: str = "auto", dtype: Any = "bfloat16"
+    model: str | ModelConfig,
+    kv_cache_dtype: str = "auto",
+    dtype: Any = "bfloat16",
+    layers: str = "all",
 ) -> int:
     """K and V bytes one token takes across all layers in our paged pool
     (``research.engine.kv_cache.kv_pool_bytes_per_block(cfg, block_size, dtype, kv) / block_size``):
@@ -171,10 +177,11 @@ def kv_bytes_per_token(
     head and no per-token scale: ours is 4 / head_dim larger (3% at head_dim 128). We follow our
     pool, since that is what the engine allocates.
 
-    Every layer is counted: our pool gives gpt-oss's sliding-window layers full-length pages too.
-    vLLM's hybrid allocator frees sliding-window blocks that fall out of the window, so for long
-    sequences its per-token cost approaches the full-attention layers' share (REFERENCE's 36,864
-    bytes for gpt-oss-120b is that share).
+    ``layers``: "all" (every layer), "full" (full-attention layers only; REFERENCE's 36,864
+    bytes for gpt-oss-120b), "sliding" (sliding-window layers only) or "pool" (what one token
+    of a block takes in our pool: max(full, sliding) layers, since the pool pairs a sliding
+    with a full layer and gives each block to one kind, as vLLM's hybrid allocator does;
+    "all" for models without sliding windows).
     """
     cfg = resolve_model(model)
     if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -188,7 +195,25 @@ def kv_bytes_per_token(
         if e % 2:
             raise ValueError(f"int4 KV packs two elements per byte; head_dim {e} is odd")
         per_head = e // 2 + 4
-    return 2 * cfg.num_layers * cfg.num_kv_heads * per_head
+    full, sliding = cfg.num_layers - cfg.sliding_layers, cfg.sliding_layers
+    counted = {
+        "all": cfg.num_layers,
+        "full": full,
+        "sliding": sliding,
+        "pool": max(full, sliding) if sliding else cfg.num_layers,
+    }
+    if layers not in counted:
+        raise ValueError(f"layers must be one of {tuple(counted)}, got {layers!r}")
+    return 2 * counted[layers] * cfg.num_kv_heads * per_head
+
+
+def sliding_blocks_per_seq(cfg: ModelConfig, block_size: int) -> int:
+    """Blocks a sequence's sliding-window layers hold at most once out-of-window blocks are
+    freed: the window's W - 1 earlier keys plus the current token can straddle one more block
+    than ceil(W / block_size)."""
+    if not cfg.sliding_layers:
+        return 0
+    return math.ceil((cfg.sliding_window - 1) / block_size) + 1
 
 
 def vllm_batch_defaults(hardware: str | Hardware) -> tuple[int, int]:
@@ -279,17 +304,22 @@ class KVCapacity:
     weight_bytes: int
     activation_bytes: int  # peak activations + other (an estimate unless given)
     available_bytes: float  # budget - weights - activations: the KV pool
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # per block token: kv_bytes_per_token(..., layers="pool")
     block_bytes: int  # block_size * kv_bytes_per_token
     num_blocks: int
     num_tokens: int  # num_blocks * block_size
+    # Sliding-window models (gpt-oss): blocks a sequence's sliding layers hold at most
+    # (``sliding_blocks_per_seq``), on top of its full layers' blocks; 0 otherwise.
+    sliding_blocks_per_seq: int = 0
 
     def max_sequences(self, tokens_per_sequence: int) -> int:
         """How many sequences of ``tokens_per_sequence`` tokens (prompt + output) hold their
-        whole KV at once: each needs ceil(tokens / block_size) blocks."""
+        whole KV at once: each needs ceil(tokens / block_size) blocks (and, with sliding
+        windows, up to ``sliding_blocks_per_seq`` more)."""
         if tokens_per_sequence < 1:
             raise ValueError(f"tokens_per_sequence must be >= 1, got {tokens_per_sequence}")
-        return self.num_blocks // math.ceil(tokens_per_sequence / self.block_size)
+        blocks = math.ceil(tokens_per_sequence / self.block_size)
+        return self.num_blocks // (blocks + min(blocks, self.sliding_blocks_per_seq))
 
 
 def kv_capacity(
@@ -321,6 +351,11 @@ def kv_capacity(
     token's KV its kv heads make (``research.parallel.plan.SplitPlan``: 1/N, or 1/kv_heads when
     N exceeds them and kv heads are replicated) and 1/N of the activation estimate (an
     approximation: norms are in fact replicated). Tokens are the pool of the whole group.
+
+    A model with sliding-window layers (gpt-oss) is sized as our engine and vLLM's hybrid
+    allocator serve it: a block holds one kind of layer, max(full, sliding) layers of it
+    (``kv_bytes_per_token(..., "pool")``); a sequence's full layers take blocks as it grows,
+    its sliding layers at most ``sliding_blocks_per_seq`` (``KVCapacity.max_sequences``).
     """
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
@@ -334,7 +369,9 @@ def kv_capacity(
 
     split = SplitPlan.for_model(cfg, tensor_parallel_size)
     weights = weight_bytes(cfg, quantization, dtype) / tensor_parallel_size
-    per_token = kv_bytes_per_token(cfg, kv_cache_dtype, dtype) / split.ways("kv_heads")
+    # Sliding-window models: a block holds one token of max(full, sliding) layers ("pool"),
+    # for either kind, as in our engine's pool and vLLM's hybrid allocator.
+    per_token = kv_bytes_per_token(cfg, kv_cache_dtype, dtype, "pool") / split.ways("kv_heads")
     if activation_bytes is None:
         default_tokens, default_seqs = vllm_batch_defaults(hw)
         activation_bytes = (
@@ -388,6 +425,7 @@ def kv_capacity(
         block_bytes=int(block_bytes),
         num_blocks=num_blocks,
         num_tokens=num_blocks * block_size,
+        sliding_blocks_per_seq=sliding_blocks_per_seq(cfg, block_size),
     )
 
 

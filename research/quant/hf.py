@@ -20,6 +20,9 @@ Layouts (per linear module ``prefix``; O = out features, I = in features):
 
 Modules a checkpoint leaves unquantized (compressed-tensors' ``ignore``) keep a dense ``weight``
 and load as dense matrices.
+
+gpt-oss's own MXFP4 layout (``quant_method: "mxfp4"``: experts as ``*_blocks`` / ``*_scales``,
+everything else dense) is read by ``research.models.gpt_oss``.
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ def checkpoint_quantization(hf_config: dict[str, Any]) -> str | None:
             f"compressed-tensors format {fmt!r} is not supported (nvfp4-pack-quantized, "
             "mxfp4-pack-quantized, float-quantized)"
         )
+    if method == "mxfp4":  # gpt-oss: experts as *_blocks / *_scales, everything else dense
+        return "mxfp4"
     if method == "fp8":
         raise ValueError(
             "quant_method 'fp8' checkpoints (block-wise weight_scale_inv) are not supported: the "
@@ -80,7 +85,8 @@ def checkpoint_quantization(hf_config: dict[str, Any]) -> str | None:
             "checkpoint (per channel or per tensor)"
         )
     raise ValueError(
-        f"quantization_config.quant_method {method!r} is not supported (awq, compressed-tensors)"
+        f"quantization_config.quant_method {method!r} is not supported (awq, compressed-tensors, "
+        "mxfp4)"
     )
 
 
