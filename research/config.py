@@ -149,6 +149,83 @@ class SchedulerConfig:
             )
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config`` keys).
+
+    ``ngram``: prompt lookup. The last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens of a
+    sequence are looked up earlier in its own tokens (longest n-gram first, latest match), and
+    up to ``num_speculative_tokens`` tokens that followed the match are proposed. The target
+    model verifies them in the same step; rejection sampling keeps its output distribution.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config: method must be one of {SPECULATIVE_METHODS}, "
+                f"got {self.method!r}"
+            )
+        for name, low in (
+            ("num_speculative_tokens", 1),
+            ("prompt_lookup_max", 1),
+            ("prompt_lookup_min", 1),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(
+                    f"speculative_config: {name} must be an integer >= {low}, got {value!r}"
+                )
+        if self.num_speculative_tokens > 64:
+            raise ValueError(
+                "speculative_config: num_speculative_tokens must be <= 64, got "
+                f"{self.num_speculative_tokens}"
+            )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+    @classmethod
+    def from_dict(cls, d: Any) -> SpeculativeConfig | None:
+        """vLLM's dict (None, a dict or a SpeculativeConfig) -> a SpeculativeConfig or None.
+        Unknown keys and bad values raise ValueError naming them."""
+        if d is None or isinstance(d, cls):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict or None, got {d!r}")
+        d = dict(d)
+        if "model" in d:
+            raise ValueError(
+                "speculative_config: a draft model ('model') is not supported; use "
+                "{'method': 'ngram', 'num_speculative_tokens': k}"
+            )
+        if "method" not in d:
+            raise ValueError(
+                f"speculative_config needs 'method' (one of {SPECULATIVE_METHODS}), got {d!r}"
+            )
+        if "num_speculative_tokens" not in d:
+            raise ValueError("speculative_config needs 'num_speculative_tokens'")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown key(s) {unknown}; known keys are {sorted(known)}"
+            )
+        low = d.get("prompt_lookup_min")
+        if "prompt_lookup_max" not in d and isinstance(low, int) and not isinstance(low, bool):
+            d["prompt_lookup_max"] = max(low, cls.prompt_lookup_max)
+        return cls(**d)
+
+
 # ---------------------------------------------------------------------- experiment schemas
 # The Hydra app (``python -m experiments.run``) composes one RunConfig from the config groups in
 # ``configs/``; ``register_configs`` stores these dataclasses in Hydra's ConfigStore so every
