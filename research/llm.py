@@ -15,7 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from research.config import CacheConfig, SchedulerConfig
+from research.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from research.engine.engine import Engine, kv_cache_summary
 from research.engine.kv_cache import kv_pool_bytes_per_block
 from research.engine.request import RequestOutput, SamplingParams, check_bool, check_int, check_real
@@ -45,6 +45,10 @@ class LLM:
         (``moe_routing``, ``params``, ...).
       max_model_len: longest prompt + generation; defaults to the model's context length.
       seed: seeds random-init presets and requests that give no seed of their own.
+      speculative_config: vLLM's dict, e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
+        "prompt_lookup_max": 4, "prompt_lookup_min": 1}`` (``research.config.SpeculativeConfig``):
+        drafts are verified in the same step and accepted by rejection sampling, so outputs
+        are distributed as without it.
       The rest configure the engine with vLLM's names (see CacheConfig, SchedulerConfig).
     """
 
@@ -73,7 +77,14 @@ class LLM:
         enable_expert_parallel: bool = False,
         poison_freed_blocks: bool = False,
         cost_model_options: dict[str, Any] | None = None,
+        speculative_config: dict[str, Any] | None = None,
     ):
+        speculative = SpeculativeConfig.from_dict(speculative_config)
+        if speculative is not None and executor == "simulated":
+            raise ValueError(
+                "speculative_config is not supported with executor='simulated' (the simulated "
+                "executor makes no tokens to propose from)"
+            )
         if isinstance(model, os.PathLike):
             model = os.fspath(model)
         if not isinstance(model, str) or not model:
@@ -207,6 +218,7 @@ class LLM:
             seed=seed,
             poison_freed_blocks=poison_freed_blocks,
             plan=plan,
+            speculative_config=speculative,
             **(dict(executor=sim, clock=sim.clock) if sim is not None else {}),
         )
         if plan is not None:

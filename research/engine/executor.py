@@ -39,6 +39,7 @@ from research.engine.kv_cache import (
     kv_pool_bytes_per_block,
     write_kv,
 )
+from research.engine.rejection_sampler import rejection_sample
 from research.engine.request import MAX_LOGPROBS, Logprob, SamplingParams
 from research.engine.sampler import SamplingTensors, sample, token_logprobs
 from research.engine.scheduler import ScheduledSeq, StepPlan
@@ -115,6 +116,55 @@ def model_step(
         ).items()
     }
     return cache.new_k, cache.new_v, sampled, top2_gap(logits), logprobs
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class VerifyInputs:
+    """Speculative rows' drafts, for ``verify_step``: T verified positions per row."""
+
+    logits_index: jax.Array  # [R, T] int32: packed index of each row's t-th token (0 = padding)
+    draft_tokens: jax.Array  # [R, T - 1] int32, -1 = padding
+    num_drafts: jax.Array  # [R] int32
+
+
+VERIFY_TRACES = [0]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "plan"))
+def verify_step(
+    params: Params,
+    pool: KVPool,
+    batch: StepBatch,
+    verify: VerifyInputs,
+    *,
+    cfg: ModelConfig,
+    backend: str,
+    plan: Any = None,
+) -> tuple[list[jax.Array], list[jax.Array], jax.Array, jax.Array, jax.Array]:
+    """Forward over each row's last token and drafts, then rejection sampling
+    (``research.engine.rejection_sampler``). Returns new K/V per layer ([N, K, E]), tokens
+    [R, T] (accepted drafts, the sampled token, then -1), accepted counts [R] and the top-2
+    logit gap at every verified position [R, T]. A separate function from ``model_step``, so
+    runs without speculation compile and run exactly what they did before."""
+    VERIFY_TRACES[0] += 1  # runs only while tracing
+    cache = PagedKVCache(
+        pool,
+        batch.block_tables,
+        batch.token_row,
+        batch.token_col,
+        batch.row_positions,
+        backend=backend,
+        plan=plan,
+    )
+    hidden, cache = forward(params, cfg, batch.tokens[None], batch.positions[None], cache, backend)
+    r, t = verify.logits_index.shape
+    logits = compute_logits(params, cfg, hidden[0, verify.logits_index.reshape(-1)])  # [R*T, V]
+    gaps = top2_gap(logits).reshape(r, t)
+    tokens, num_accepted = rejection_sample(
+        logits.reshape(r, t, -1), verify.draft_tokens, verify.num_drafts, batch.sampling
+    )
+    return cache.new_k, cache.new_v, tokens, num_accepted, gaps
 
 
 def _when(pred: jax.Array, fn: Any, rows: int) -> dict[str, jax.Array]:
@@ -219,6 +269,10 @@ class StepResult:
     logprobs: dict[str, RawLogprobs] = field(default_factory=dict)
     # Requests that asked for prompt_logprobs: {position of the prompt token: its entry}.
     prompt_logprobs: dict[str, dict[int, RawLogprobs]] = field(default_factory=dict)
+    # Speculative rows: the drafts accepted (in order, before ``tokens[id]``) and the top-2
+    # logit gap where each was verified.
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+    accepted_top2_gaps: dict[str, list[float]] = field(default_factory=dict)
 
 
 def decode_logprobs(raw: RawLogprobs, token: int, n: int, decode: Any) -> dict[int, Logprob]:
@@ -300,6 +354,8 @@ class ModelExecutor:
                 fill_blocks, donate_argnums=0, static_argnums=2, out_shardings=keep
             )
         self.step_shapes: set[tuple[int, ...]] = set()  # (N, R, T, M) of every call run
+        self.verify_shapes: set[tuple[int, ...]] = set()  # the same, of speculative verification
+        self.verify_tokens_per_row = 2  # speculative decoding: 1 + num_speculative_tokens
         # Serving: a call whose shape is not compiled runs padded to the cheapest compiled shape
         # that holds it (a "cover") while its own shape compiles on a background thread; the
         # step never waits for a compile when a cover exists (``precompile_covers``).
@@ -314,7 +370,7 @@ class ModelExecutor:
     @property
     def num_compilations(self) -> int:
         """Distinct step shapes this executor ran: each compiled once (bounded by the buckets)."""
-        return len(self.step_shapes)
+        return len(self.step_shapes) + len(self.verify_shapes)
 
     # ------------------------------------------------------------------ host
 
@@ -329,17 +385,26 @@ class ModelExecutor:
         for group, is_decode in ((plan.decodes, True), (plan.prefills, False)):
             if group:
                 result.device_time += self._run(group, is_decode, result)
+        if plan.verifies:
+            result.device_time += self._run(plan.verifies, False, result, verify=True)
         result.duration = time.perf_counter() - t0
         return result
 
-    def call_shape(self, group: list[ScheduledSeq], is_decode: bool) -> tuple[int, int, int, int]:
+    def call_shape(
+        self, group: list[ScheduledSeq], is_decode: bool, verify: bool = False
+    ) -> tuple[int, int, int, int]:
         """(N packed tokens, R rows, T tokens per row, M blocks per row) of the call that runs
-        ``group``: each a bucket, so a run compiles a bounded number of shapes."""
+        ``group``: each a bucket, so a run compiles a bounded number of shapes. Verification
+        rows (``verify``: last token + drafts) take T = ``verify_tokens_per_row`` (1 + the
+        configured drafts), not a bucket from 16: every position of theirs is scored."""
         r = bucket(len(group), 1, self.max_num_seqs)
         n_tokens = sum(item.num_new_tokens for item in group)
         n = r if is_decode else bucket(n_tokens, 16, max(16, self.max_num_batched_tokens))
         longest = max(item.num_new_tokens for item in group)
-        t = 1 if is_decode else bucket(longest, 16, n)
+        if verify:  # every verification call of a run has the same T: fewer shapes
+            t = max(longest, self.verify_tokens_per_row)
+        else:
+            t = 1 if is_decode else bucket(longest, 16, n)
         # At least 128 tokens of context per row: fewer shapes to compile for short sequences.
         m_min = -(-128 // self.block_size)
         longest_table = max(len(item.seq.block_ids) for item in group)
@@ -472,9 +537,12 @@ class ModelExecutor:
                 )
         return len(todo)
 
-    def _run(self, group: list[ScheduledSeq], is_decode: bool, out: StepResult) -> float:
+    def _run(
+        self, group: list[ScheduledSeq], is_decode: bool, out: StepResult, verify: bool = False
+    ) -> float:
         """Pack, run and unpack one call; returns the seconds spent in the jitted calls."""
-        n_rows = len(group)
+        if verify:
+            return self._run_verify(group, out)
         shape = self.call_shape(group, is_decode)
         cover = None
         if self.compile_in_background and shape not in self.step_shapes:
@@ -483,55 +551,8 @@ class ModelExecutor:
             self._compile_later(shape)
             self.covered_calls += 1
             shape = cover
-        n, r, t, m = shape
-        pad_slot = self.num_blocks * self.block_size  # out of range: the scatter drops it
-
-        tokens = np.zeros(n, np.int32)
-        positions = np.full(n, -1, np.int32)
-        slots = np.full(n, pad_slot, np.int32)
-        token_row = np.full(n, r, np.int32)
-        token_col = np.zeros(n, np.int32)
-        row_positions = np.full((r, t), -1, np.int32)
-        block_tables = np.zeros((r, m), np.int32)
-        logits_index = np.zeros(r, np.int32)
-        prompt_targets = np.full(n, -1, np.int32)
-        params, seeds, steps = [], [], []
-        offset = 0
-        for i, item in enumerate(group):
-            seq, start, k = item.seq, item.start, item.num_new_tokens
-            table = np.asarray(seq.block_ids, np.int32)
-            pos = np.arange(start, start + k, dtype=np.int32)
-            span = slice(offset, offset + k)
-            tokens[span] = seq.token_ids[start : start + k]
-            positions[span] = pos
-            slots[span] = table[pos // self.block_size] * self.block_size + pos % self.block_size
-            token_row[span] = i
-            token_col[span] = np.arange(k)
-            row_positions[i, :k] = pos
-            block_tables[i, : len(table)] = table
-            logits_index[i] = offset + k - 1
-            if seq.sampling_params.prompt_logprobs is not None:
-                prompt = seq.prompt_token_ids
-                inside = pos + 1 < len(prompt)
-                prompt_targets[span][inside] = np.asarray(prompt)[pos[inside] + 1]
-            offset += k
-            params.append(seq.sampling_params)
-            seeds.append(seq.seed)
-            steps.append(len(seq.output_token_ids))
-        pad = r - n_rows
-        batch = StepBatch(
-            tokens,
-            positions,
-            token_row,
-            token_col,
-            row_positions,
-            block_tables,
-            logits_index,
-            SamplingTensors.from_params(
-                params + [_PAD_PARAMS] * pad, seeds + [0] * pad, steps + [0] * pad
-            ),
-            prompt_targets,
-        )
+        batch, slots, positions, prompt_targets, params = self._pack(group, shape)
+        n = shape[0]
         with self._lock:
             self.step_shapes.add(shape)
             compiled = self._background.get(shape)
@@ -564,6 +585,104 @@ class ModelExecutor:
                     out.prompt_logprobs.setdefault(rid, {})[int(positions[j]) + 1] = entry
             offset += item.num_new_tokens
         return device_time
+
+    def _run_verify(self, group: list[ScheduledSeq], out: StepResult) -> float:
+        """One call over the speculative rows: each row's last token and its drafts are scored
+        and the drafts accepted or rejected on device (``verify_step``). The K/V of every
+        verified token is written; the rejected ones' slots are rolled back by the scheduler."""
+        shape = self.call_shape(group, False, verify=True)
+        batch, slots, _, _, _ = self._pack(group, shape)
+        n, r, t, _ = shape
+        logits_index = np.zeros((r, t), np.int32)
+        draft_tokens = np.full((r, t - 1), -1, np.int32)
+        num_drafts = np.zeros(r, np.int32)
+        offset = 0
+        for i, item in enumerate(group):
+            d = len(item.draft_token_ids)
+            logits_index[i, : d + 1] = np.arange(offset, offset + d + 1)
+            draft_tokens[i, :d] = item.draft_token_ids
+            num_drafts[i] = d
+            offset += item.num_new_tokens
+        verify = VerifyInputs(logits_index, draft_tokens, num_drafts)
+        self.verify_shapes.add(shape)
+        t0 = time.perf_counter()
+        new_k, new_v, tokens, accepted, gaps = verify_step(
+            self.params,
+            self.pool,
+            batch,
+            verify,
+            cfg=self.cfg,
+            backend=self.backend,
+            plan=self.plan,
+        )
+        self.pool = self._writes.get(n, self._write_kv)(self.pool, new_k, new_v, slots)
+        tokens, accepted, gaps = to_host(tokens), to_host(accepted), to_host(gaps)
+        device_time = time.perf_counter() - t0
+        for i, item in enumerate(group):
+            rid, a = item.seq.request_id, int(accepted[i])
+            out.accepted[rid] = [int(x) for x in tokens[i, :a]]
+            out.accepted_top2_gaps[rid] = [float(x) for x in gaps[i, :a]]
+            out.tokens[rid] = int(tokens[i, a])
+            out.top2_gaps[rid] = float(gaps[i, a])
+        return device_time
+
+    def _pack(
+        self, group: list[ScheduledSeq], shape: tuple[int, int, int, int]
+    ) -> tuple[StepBatch, np.ndarray, np.ndarray, np.ndarray, list[SamplingParams]]:
+        """The call's inputs for ``group`` at ``shape``: the batch, each packed token's KV slot,
+        position and next prompt token (for prompt_logprobs), and each row's sampling params."""
+        n_rows = len(group)
+        n, r, t, m = shape
+        pad_slot = self.num_blocks * self.block_size  # out of range: the scatter drops it
+
+        tokens = np.zeros(n, np.int32)
+        positions = np.full(n, -1, np.int32)
+        slots = np.full(n, pad_slot, np.int32)
+        token_row = np.full(n, r, np.int32)
+        token_col = np.zeros(n, np.int32)
+        row_positions = np.full((r, t), -1, np.int32)
+        block_tables = np.zeros((r, m), np.int32)
+        logits_index = np.zeros(r, np.int32)
+        prompt_targets = np.full(n, -1, np.int32)
+        params, seeds, steps = [], [], []
+        offset = 0
+        for i, item in enumerate(group):
+            seq, start, k = item.seq, item.start, item.num_new_tokens
+            table = np.asarray(seq.block_ids, np.int32)
+            pos = np.arange(start, start + k, dtype=np.int32)
+            span = slice(offset, offset + k)
+            source = seq.token_ids + item.draft_token_ids
+            tokens[span] = source[start : start + k]
+            positions[span] = pos
+            slots[span] = table[pos // self.block_size] * self.block_size + pos % self.block_size
+            token_row[span] = i
+            token_col[span] = np.arange(k)
+            row_positions[i, :k] = pos
+            block_tables[i, : len(table)] = table
+            logits_index[i] = offset + k - 1
+            if seq.sampling_params.prompt_logprobs is not None:
+                prompt = seq.prompt_token_ids
+                inside = pos + 1 < len(prompt)
+                prompt_targets[span][inside] = np.asarray(prompt)[pos[inside] + 1]
+            offset += k
+            params.append(seq.sampling_params)
+            seeds.append(seq.seed)
+            steps.append(len(seq.output_token_ids))
+        pad = r - n_rows
+        batch = StepBatch(
+            tokens,
+            positions,
+            token_row,
+            token_col,
+            row_positions,
+            block_tables,
+            logits_index,
+            SamplingTensors.from_params(
+                params + [_PAD_PARAMS] * pad, seeds + [0] * pad, steps + [0] * pad
+            ),
+            prompt_targets,
+        )
+        return batch, slots, positions, prompt_targets, params
 
     def poison_blocks(self, block_ids: list[int], value: float = float("nan")) -> None:
         """Fill blocks with ``value`` (isolation tests: freed memory must never be read)."""
