@@ -176,3 +176,250 @@ def test_rejection_sampler_greedy_accepts_while_drafts_are_the_argmax():
     )
     assert list(np.asarray(accepted)) == [2, 1, 2]
     assert np.asarray(tokens).tolist() == [[2, 3, 4, -1], [2, 3, -1, -1], [1, 1, 1, -1]]
+
+
+# ---------------------------------------------------------------------- rollback (host only)
+
+
+def test_rollback_releases_blocks_across_a_block_boundary():
+    """A verified chunk of 1 + 5 drafts reaches into two new blocks; with every draft rejected
+    the sequence shrinks back and both blocks return to the pool; only accepted tokens are
+    hashed for the prefix cache."""
+    from research.config import SchedulerConfig
+    from research.engine.block_manager import BlockManager
+    from research.engine.request import RequestMetrics, SamplingParams
+    from research.engine.scheduler import Scheduler
+    from research.engine.sequence import Sequence
+
+    bm = BlockManager(num_blocks=16, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4), bm)
+    seq = Sequence("r", list(range(1, 8)), SamplingParams(max_tokens=20), 0, RequestMetrics(0.0))
+    scheduler.add(seq)
+    plan = scheduler.schedule()  # the 7-token prompt: 2 blocks
+    assert scheduler.commit(plan) == [seq]
+    seq.output_token_ids.append(8)  # 8 tokens, 7 computed
+    assert len(seq.block_ids) == 2
+
+    seq.spec_token_ids = [9, 10, 11, 12, 13]
+    plan = scheduler.schedule()
+    (item,) = plan.verifies
+    assert (item.start, item.num_new_tokens, item.draft_token_ids) == (7, 6, [9, 10, 11, 12, 13])
+    assert not plan.decodes and not plan.prefills
+    assert len(seq.block_ids) == 4  # positions 7..12 reach the fourth block
+    free_before = bm.num_free_blocks
+
+    seq.output_token_ids.append(42)  # all five rejected: the residual's token
+    released = scheduler.commit_verified(item, num_accepted=0)
+    assert released == 2
+    assert seq.num_computed_tokens == 8 and seq.num_tokens == 9
+    assert len(seq.block_ids) == 2
+    assert bm.num_free_blocks == free_before + 2
+    bm.check_invariants([seq])
+    # Two full computed blocks hashed, over the accepted tokens 1..8 only.
+    assert seq.num_cached_blocks == 2 and len(seq.block_hashes) == 2
+
+    # Next round: three of four accepted (slots 9..11 kept, one block released).
+    seq.spec_token_ids = [43, 44, 45, 46]
+    plan = scheduler.schedule()
+    (item,) = plan.verifies
+    assert len(seq.block_ids) == 4  # positions 8..12
+    seq.output_token_ids += [43, 44, 45, 7]
+    assert scheduler.commit_verified(item, num_accepted=3) == 1
+    assert seq.num_computed_tokens == 12 and len(seq.block_ids) == 3
+    bm.check_invariants([seq])
+    scheduler.finish(seq)
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_drafts_share_the_token_budget_with_plain_sequences():
+    from research.config import SchedulerConfig
+    from research.engine.block_manager import BlockManager
+    from research.engine.request import RequestMetrics, SamplingParams
+    from research.engine.scheduler import Scheduler
+    from research.engine.sequence import Sequence
+
+    bm = BlockManager(num_blocks=64, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8), bm)
+    seqs = [
+        Sequence(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=20), 0, RequestMetrics(0.0))
+        for i in range(3)
+    ]
+    for seq in seqs:
+        scheduler.add(seq)
+    scheduler.commit(scheduler.schedule())
+    for seq in seqs:
+        seq.output_token_ids.append(4)
+        seq.spec_token_ids = [5, 6, 7, 8]
+    plan = scheduler.schedule()
+    # 5 tokens for the first, then the remaining budget of 3: 1 + 2 drafts, then 0 left.
+    assert [(i.seq.request_id, i.num_new_tokens) for i in plan.verifies] == [("r0", 5), ("r1", 3)]
+    assert plan.num_batched_tokens == 8
+    assert not seqs[0].spec_token_ids and not seqs[1].spec_token_ids  # used up
+
+
+# ---------------------------------------------------------------------- the engine (tiny-llama)
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+# Repetitive prompts (so drafts are proposed), and one the lookup rarely matches.
+TINY_PROMPTS = [[5, 6, 7, 8, 9] * 4, [10, 11, 12] * 6, list(range(20, 50)), [3] * 17]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from research.models.presets import get_preset
+    from research.models.transformer import init_params
+
+    cfg = get_preset("tiny-llama")
+    return cfg, init_params(cfg, jax.random.key(0))
+
+
+def _tiny_engine(tiny, speculative_config=None, **kwargs):
+    from research.config import CacheConfig, SchedulerConfig
+    from research.engine.engine import Engine
+
+    cfg, params = tiny
+    return Engine(
+        cfg,
+        params,
+        cache_config=CacheConfig(
+            block_size=4,
+            num_kv_blocks=kwargs.pop("num_kv_blocks", 96),
+            enable_prefix_caching=kwargs.pop("enable_prefix_caching", True),
+        ),
+        scheduler_config=SchedulerConfig(max_num_seqs=4),
+        max_model_len=128,
+        speculative_config=speculative_config,
+        **kwargs,
+    )
+
+
+def _greedy(max_tokens=40):
+    from research import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny):
+    return _tiny_engine(tiny).generate(TINY_PROMPTS, [_greedy()] * len(TINY_PROMPTS))
+
+
+def test_greedy_outputs_identical_with_ngram_speculation(tiny, tiny_reference):
+    engine = _tiny_engine(tiny, NGRAM)
+    outputs = engine.generate(TINY_PROMPTS, [_greedy()] * len(TINY_PROMPTS))
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in tiny_reference]
+    assert all(len(o.top2_logit_gaps) == len(o.token_ids) for o in outputs)
+    s = engine.stats()
+    print(
+        f"\ntiny-llama n-gram k=3: {s['spec_num_accepted_tokens']} of "
+        f"{s['spec_num_draft_tokens']} drafts accepted (rate {s['spec_acceptance_rate']:.2f}, "
+        f"mean acceptance length {s['spec_mean_acceptance_length']:.2f}), "
+        f"{s['num_steps']} steps, {s['spec_rollback_blocks']} blocks rolled back"
+    )
+    assert s["spec_num_accepted_tokens"] > 0  # drafts accepted ...
+    assert s["spec_num_draft_tokens"] > s["spec_num_accepted_tokens"]  # ... and rejected
+    assert s["spec_rollback_blocks"] > 0
+    assert s["num_steps"] < sum(len(o.token_ids) for o in outputs) // len(outputs)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.block_manager.check_invariants([])
+
+
+def test_speculation_under_memory_pressure_loses_nothing(tiny, tiny_reference):
+    """A pool of 24 blocks for a demand of 60: preemption by recompute (prefix-cache hits on
+    the accepted tokens' blocks when a request resumes), in a NaN-poisoned pool."""
+    engine = _tiny_engine(tiny, NGRAM, num_kv_blocks=24, poison_freed_blocks=True)
+    outputs = engine.generate(TINY_PROMPTS, [_greedy()] * len(TINY_PROMPTS))
+    s = engine.stats()
+    assert s["num_preemptions"] > 0
+    assert s["spec_num_accepted_tokens"] > 0
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in tiny_reference]
+    assert all(o.finish_reason == "length" for o in outputs)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_sampled_speculation_stops_and_logprob_requests_decode_plainly(tiny):
+    from research import SamplingParams
+
+    engine = _tiny_engine(tiny, NGRAM)
+    sps = [
+        SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True),
+        SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[8]),
+        SamplingParams(max_tokens=7, temperature=1.2, top_k=5, seed=3, ignore_eos=True),
+    ]
+    outputs = engine.generate(TINY_PROMPTS, sps)
+    vocab = tiny[0].vocab_size
+    assert len(outputs[0].token_ids) == 30 and len(outputs[3].token_ids) == 7
+    assert all(0 <= t < vocab for o in outputs for t in o.token_ids)
+    assert len(outputs[1].logprobs) == 13
+    plain = _tiny_engine(tiny).generate([TINY_PROMPTS[1]], [sps[1]])[0]
+    assert outputs[1].token_ids == plain.token_ids
+    stop = outputs[2]
+    assert stop.finish_reason == "length" or stop.token_ids[-1] == 8
+    assert 8 not in stop.token_ids[:-1]
+    # Same seed, same tokens: the sampled run is reproducible.
+    again = _tiny_engine(tiny, NGRAM).generate(TINY_PROMPTS[:1], sps[:1])[0]
+    assert again.token_ids == outputs[0].token_ids
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_llm_accepts_vllms_speculative_config():
+    from research import LLM, SamplingParams
+
+    llm = LLM("tiny-llama", max_model_len=128, num_kv_blocks=64, speculative_config=NGRAM)
+    out = llm.generate([[5, 6, 7, 8] * 5], SamplingParams(max_tokens=16, temperature=0.0))
+    assert len(out[0].token_ids) <= 16
+    assert "spec_acceptance_rate" in llm.engine.stats()
+    with pytest.raises(ValueError, match="unknown key"):
+        LLM(
+            "tiny-llama",
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2, "x": 1},
+        )
+    with pytest.raises(ValueError, match="simulated"):
+        LLM("tiny-llama", executor="simulated", hardware="gb10", speculative_config=NGRAM)
+
+
+# ---------------------------------------------------------------------- SmolLM2 (real weights)
+
+SMOLLM2_TEXTS = [
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "The cat sat on the mat. The dog sat on the log. The cat sat on the mat. The dog",
+]
+
+
+def test_smollm2_greedy_outputs_identical_with_ngram_speculation(smollm2_llm):
+    """Real weights and tokenizer: the same greedy tokens with and without n-gram drafts (up
+    to near-ties of the top-2 logits, where a different packing may round either way)."""
+    from research.config import CacheConfig, SchedulerConfig
+    from research.engine.engine import Engine
+
+    def engine(spec):
+        return Engine(
+            smollm2_llm.model_config,
+            smollm2_llm.params,
+            smollm2_llm.tokenizer,
+            cache_config=CacheConfig(block_size=16, num_kv_blocks=64),
+            scheduler_config=SchedulerConfig(max_num_seqs=2),
+            max_model_len=smollm2_llm.max_model_len,
+            speculative_config=spec,
+        )
+
+    prompts = [smollm2_llm.tokenizer.encode(t) for t in SMOLLM2_TEXTS]
+    sp = _greedy(24)
+    plain = engine(None).generate(prompts, [sp] * len(prompts))
+    spec_engine = engine({"method": "ngram", "num_speculative_tokens": 4})
+    spec = spec_engine.generate(prompts, [sp] * len(prompts))
+    s = spec_engine.stats()
+    print(
+        f"\nSmolLM2 n-gram k=4: {s['spec_num_accepted_tokens']} of {s['spec_num_draft_tokens']} "
+        f"drafts accepted, {s['num_steps']} steps for {len(prompts)} x {sp.max_tokens} tokens"
+    )
+    for a, b in zip(plain, spec, strict=True):
+        if a.token_ids != b.token_ids:
+            i = next(
+                i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y
+            )
+            gap = max(a.top2_logit_gaps[i], b.top2_logit_gaps[i])
+            assert gap < 1e-4, f"outputs differ at token {i} where the top-2 gap is {gap:.3g}"
+    assert s["spec_num_accepted_tokens"] > 0
+    assert spec_engine.block_manager.num_free_blocks == spec_engine.block_manager.num_blocks
