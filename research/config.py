@@ -149,7 +149,7 @@ class SchedulerConfig:
             )
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -158,16 +158,27 @@ class SpeculativeConfig:
 
     ``ngram``: prompt lookup. The last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens of a
     sequence are looked up earlier in its own tokens (longest n-gram first, latest match), and
-    up to ``num_speculative_tokens`` tokens that followed the match are proposed. The target
-    model verifies them in the same step; rejection sampling keeps its output distribution.
+    up to ``num_speculative_tokens`` tokens that followed the match are proposed.
+    ``draft_model``: ``model`` (a preset name or path with the target's vocabulary) decodes
+    ``num_speculative_tokens`` tokens greedily from its own paged KV cache.
+    The target model verifies the drafts in the same step; rejection sampling keeps its output
+    distribution.
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    model: str | None = None  # draft_model: the draft's preset name or path
 
     def __post_init__(self) -> None:
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(
+                "speculative_config: method 'draft_model' needs 'model' (a preset name or path), "
+                f"got {self.model!r}"
+            )
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config: method 'ngram' takes no 'model'")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative_config: method must be one of {SPECULATIVE_METHODS}, "
@@ -203,11 +214,8 @@ class SpeculativeConfig:
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be a dict or None, got {d!r}")
         d = dict(d)
-        if "model" in d:
-            raise ValueError(
-                "speculative_config: a draft model ('model') is not supported; use "
-                "{'method': 'ngram', 'num_speculative_tokens': k}"
-            )
+        if "model" in d and "method" not in d:
+            d["method"] = "draft_model"  # vLLM infers the method from the model
         if "method" not in d:
             raise ValueError(
                 f"speculative_config needs 'method' (one of {SPECULATIVE_METHODS}), got {d!r}"

@@ -49,7 +49,8 @@ def test_speculative_config_from_vllm_dict():
             },
             "prompt_lookup_min",
         ),
-        ({"model": "tiny-llama", "num_speculative_tokens": 2}, "draft model"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs .model."),
+        ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "takes no"),
         ([1, 2], "must be a dict"),
     ],
 )
@@ -375,6 +376,13 @@ def test_llm_accepts_vllms_speculative_config():
             "tiny-llama",
             speculative_config={"method": "ngram", "num_speculative_tokens": 2, "x": 1},
         )
+    draft = LLM(
+        "tiny-qwen3",
+        max_model_len=128,
+        num_kv_blocks=64,
+        speculative_config={"model": "tiny-llama", "num_speculative_tokens": 2},
+    )
+    assert draft.engine.proposer.model_config.name == "tiny-llama"
     with pytest.raises(ValueError, match="simulated"):
         LLM("tiny-llama", executor="simulated", hardware="gb10", speculative_config=NGRAM)
 
@@ -423,3 +431,43 @@ def test_smollm2_greedy_outputs_identical_with_ngram_speculation(smollm2_llm):
             assert gap < 1e-4, f"outputs differ at token {i} where the top-2 gap is {gap:.3g}"
     assert s["spec_num_accepted_tokens"] > 0
     assert spec_engine.block_manager.num_free_blocks == spec_engine.block_manager.num_blocks
+
+
+# ---------------------------------------------------------------------- draft-model proposer
+
+
+def test_draft_model_greedy_outputs_identical(tiny, tiny_reference):
+    """The target as its own draft accepts every draft; a draft with other weights is mostly
+    rejected; greedy outputs are the target's either way, and the draft's pool is returned."""
+    from research.models.transformer import init_params
+
+    cfg, params = tiny
+    spec = {"model": "tiny-llama", "num_speculative_tokens": 3}
+    stranger = init_params(cfg, jax.random.key(7))
+    for draft, rate in (((cfg, params), 1.0), ((cfg, stranger), None)):
+        engine = _tiny_engine(tiny, spec, draft_model=draft)
+        outputs = engine.generate(TINY_PROMPTS, [_greedy()] * len(TINY_PROMPTS))
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in tiny_reference]
+        s = engine.stats()
+        print(
+            f"\ndraft model k=3: {s['spec_num_accepted_tokens']} of "
+            f"{s['spec_num_draft_tokens']} accepted, {s['num_steps']} steps"
+        )
+        if rate is not None:
+            assert s["spec_acceptance_rate"] == rate
+        else:
+            assert s["spec_num_draft_tokens"] > s["spec_num_accepted_tokens"]
+        draft_pool = engine.proposer.block_manager
+        assert not engine.proposer.shadows
+        assert draft_pool.num_free_blocks == draft_pool.num_blocks
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_draft_model_vocabulary_must_match(tiny):
+    from research.models.presets import get_preset
+
+    small = get_preset("smollm2-135m")
+    with pytest.raises(ValueError, match="vocabulary"):
+        _tiny_engine(
+            tiny, {"model": "smollm2-135m", "num_speculative_tokens": 2}, draft_model=(small, {})
+        )

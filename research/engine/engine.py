@@ -62,6 +62,7 @@ class Engine:
         executor: Any = None,
         plan: Any = None,
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
+        draft_model: tuple[ModelConfig, Params] | None = None,
     ):
         """``executor``: an object with ``ModelExecutor``'s ``execute`` / ``poison_blocks`` /
         ``num_compilations`` (e.g. ``research.perf.simulated.SimulatedExecutor``) to use instead
@@ -69,11 +70,10 @@ class Engine:
         ``plan``: a ``research.parallel.ShardingPlan`` (tensor / expert parallel).
         ``speculative_config``: vLLM's dict (``{"method": "ngram", "num_speculative_tokens":
         k, ...}``) or a ``SpeculativeConfig``: each caught-up sequence proposes up to k drafts
-        that the step verifies (requests that ask for logprobs decode without drafts)."""
+        that the step verifies (requests that ask for logprobs decode without drafts).
+        ``draft_model``: the (config, params) of ``speculative_config``'s draft model, if it is
+        loaded already (else it is loaded here by name)."""
         self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
-        self.proposer = (
-            NgramProposer(self.speculative_config) if self.speculative_config is not None else None
-        )
         self.spec_stats = SpecStats()
         self.model_config = cfg
         self.tokenizer = tokenizer
@@ -106,8 +106,14 @@ class Engine:
             kv_fill_value=float("nan") if poison_freed_blocks else 0.0,
             plan=plan,
         )
-        if self.speculative_config is not None and hasattr(self.executor, "verify_tokens_per_row"):
-            self.executor.verify_tokens_per_row = 1 + self.speculative_config.num_speculative_tokens
+        self.proposer: Any = None
+        spec = self.speculative_config
+        if spec is not None and spec.method == "ngram":
+            self.proposer = NgramProposer(spec)
+        elif spec is not None:
+            self.proposer = self._draft_proposer(spec, draft_model, dtype, attention_backend)
+        if spec is not None and hasattr(self.executor, "verify_tokens_per_row"):
+            self.executor.verify_tokens_per_row = 1 + spec.num_speculative_tokens
         # Timestamps in RequestMetrics come from ``clock`` (a simulated executor's virtual clock
         # replaces it); step and device times below are always real wall-clock seconds.
         self.clock = clock
@@ -302,10 +308,43 @@ class Engine:
         self.step_time += time.perf_counter() - t0
         return outputs
 
+    def _draft_proposer(
+        self,
+        spec: SpeculativeConfig,
+        draft_model: tuple[ModelConfig, Params] | None,
+        dtype: Any,
+        attention_backend: str,
+    ) -> Any:
+        from research.engine.draft_proposer import DraftModelProposer
+
+        if draft_model is None:
+            from research.models.load import load_model
+
+            cfg, params, _ = load_model(spec.model, dtype, self.seed)
+        else:
+            cfg, params = draft_model
+        if cfg.vocab_size != self.model_config.vocab_size:
+            raise ValueError(
+                f"speculative_config: the draft model {spec.model!r} has a vocabulary of "
+                f"{cfg.vocab_size} tokens; the target's has {self.model_config.vocab_size}"
+            )
+        return DraftModelProposer(
+            spec,
+            cfg,
+            params,
+            num_blocks=self.block_manager.num_blocks,
+            block_size=self.block_manager.block_size,
+            max_num_seqs=self.scheduler_config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            dtype=dtype,
+            attention_backend=attention_backend,
+        )
+
     def _propose(self) -> None:
         """Drafts for every caught-up running sequence (none for requests that want logprobs:
         those are returned per sampled position). A sequence never drafts past max_tokens."""
         t0 = time.perf_counter()
+        requests = []
         for seq in self.scheduler.running:
             seq.spec_token_ids = []
             sp = seq.sampling_params
@@ -313,7 +352,11 @@ class Engine:
                 continue
             room = sp.max_tokens - len(seq.output_token_ids) - 1
             if room > 0:
-                seq.spec_token_ids = self.proposer.propose(seq.token_ids, room)
+                requests.append((seq, room))
+        if requests:
+            drafts = self.proposer.propose_batch(requests)
+            for seq, room in requests:
+                seq.spec_token_ids = drafts.get(seq.request_id, [])[:room]
         self.spec_stats.proposer_time += time.perf_counter() - t0
 
     def _check_seq(self, seq: Sequence) -> None:
@@ -446,6 +489,8 @@ class Engine:
         return seq.prompt_logprobs
 
     def _finish(self, seq: Sequence) -> None:
+        if self.proposer is not None:
+            self.proposer.release(seq.request_id)
         self.requests.pop(seq.request_id, None)
         self.scheduler.finish(seq)
         seq.metrics.finished_time = self.clock()

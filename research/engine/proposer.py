@@ -10,6 +10,7 @@ The proposal costs no model call; the target verifies it in the next step.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -18,6 +19,9 @@ from research.config import SpeculativeConfig
 
 
 class NgramProposer:
+    """``propose_batch`` / ``release``: the interface the engine calls (as the draft-model
+    proposer, ``research.engine.draft_proposer``)."""
+
     def __init__(self, config: SpeculativeConfig):
         self.k = config.num_speculative_tokens
         self.max_n = config.prompt_lookup_max
@@ -42,3 +46,10 @@ class NgramProposer:
                 start = int(full[-1] if full.size else hits[-1]) + n
                 return tokens[start : start + k].tolist()
         return []
+
+    def propose_batch(self, requests: list[tuple[Any, int]]) -> dict[str, list[int]]:
+        """Drafts for each (sequence, most drafts it may take), by request id."""
+        return {seq.request_id: self.propose(seq.token_ids, room) for seq, room in requests}
+
+    def release(self, request_id: str) -> None:
+        """Nothing is kept per request."""
