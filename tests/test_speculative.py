@@ -471,3 +471,21 @@ def test_draft_model_vocabulary_must_match(tiny):
         _tiny_engine(
             tiny, {"model": "smollm2-135m", "num_speculative_tokens": 2}, draft_model=(small, {})
         )
+
+
+def test_metrics_endpoint_reports_speculative_counters(tiny):
+    from types import SimpleNamespace
+
+    from research.serve.metrics import prometheus_text
+
+    engine = _tiny_engine(tiny, NGRAM)
+    engine.spec_stats.num_drafts, engine.spec_stats.num_draft_tokens = 4, 12
+    engine.spec_stats.num_accepted_tokens = 5
+    counters = SimpleNamespace(
+        requests=0, rejected=0, prompt_tokens=0, generation_tokens=0, finished={}
+    )
+    loop = SimpleNamespace(stats=engine.stats(), counters=counters, num_unscheduled=0)
+    text = prometheus_text(loop, "tiny")
+    assert 'research:spec_decode_num_draft_tokens_total{model_name="tiny"} 12' in text
+    assert 'research:spec_decode_num_accepted_tokens_total{model_name="tiny"} 5' in text
+    assert engine.stats()["spec_acceptance_rate"] == pytest.approx(5 / 12)
