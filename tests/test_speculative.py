@@ -489,3 +489,47 @@ def test_metrics_endpoint_reports_speculative_counters(tiny):
     assert 'research:spec_decode_num_draft_tokens_total{model_name="tiny"} 12' in text
     assert 'research:spec_decode_num_accepted_tokens_total{model_name="tiny"} 5' in text
     assert engine.stats()["spec_acceptance_rate"] == pytest.approx(5 / 12)
+
+
+# ---------------------------------------------------------------------- the simulator
+
+
+def test_simulated_speculation_prices_verification_and_acceptance():
+    """GB10, Qwen3-Coder-30B-A3B AWQ, one user: n-gram drafts at 80% acceptance cut the time
+    per token; at 0% they cost (k + 1 tokens verified to emit one); the engine's measured
+    acceptance is the parameter's; the cost model's closed form agrees."""
+    from research import LLM, SamplingParams
+
+    def run(spec, rate):
+        llm = LLM(
+            "qwen3-coder-30b-a3b",
+            executor="simulated",
+            hardware="gb10",
+            quantization="awq",
+            max_model_len=2048,
+            speculative_config=spec,
+            speculative_acceptance_rate=rate,
+        )
+        sp = SamplingParams(max_tokens=600, ignore_eos=True)
+        (out,) = llm.generate([list(range(10, 522))], sp)
+        assert len(out.token_ids) == 600
+        m = out.metrics
+        return (m.finished_time - m.first_token_time) / 599, llm.engine.stats(), llm
+
+    k4 = {"method": "ngram", "num_speculative_tokens": 4}
+    plain, _, llm = run(None, None)
+    fast, stats, _ = run(k4, 0.8)
+    slow, _, _ = run(k4, 0.0)
+    print(
+        f"\nGB10 TPOT: plain {plain * 1e3:.2f} ms, k=4 at 80% {fast * 1e3:.2f} ms, at 0% "
+        f"{slow * 1e3:.2f} ms"
+    )
+    assert fast < 0.75 * plain  # 3.4 tokens per step; a 5-token step routes to more experts
+    assert slow > plain
+    # Expected accepted drafts per step: 0.8 + 0.8^2 + 0.8^3 + 0.8^4 = 2.36.
+    assert stats["spec_mean_acceptance_length"] == pytest.approx(1 + 2.36, abs=0.3)
+    cm = llm.engine.executor.cost_model
+    predicted = cm.speculative_decode_time_per_token(4, 0.8, context=812)
+    assert predicted == pytest.approx(fast, rel=0.15)
+    with pytest.raises(ValueError, match="speculative_acceptance_rate"):
+        LLM("tiny-llama", speculative_config=k4, speculative_acceptance_rate=0.5)

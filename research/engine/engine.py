@@ -63,6 +63,7 @@ class Engine:
         plan: Any = None,
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
         draft_model: tuple[ModelConfig, Params] | None = None,
+        proposer: Any = None,
     ):
         """``executor``: an object with ``ModelExecutor``'s ``execute`` / ``poison_blocks`` /
         ``num_compilations`` (e.g. ``research.perf.simulated.SimulatedExecutor``) to use instead
@@ -72,7 +73,9 @@ class Engine:
         k, ...}``) or a ``SpeculativeConfig``: each caught-up sequence proposes up to k drafts
         that the step verifies (requests that ask for logprobs decode without drafts).
         ``draft_model``: the (config, params) of ``speculative_config``'s draft model, if it is
-        loaded already (else it is loaded here by name)."""
+        loaded already (else it is loaded here by name). ``proposer``: an object with
+        ``propose_batch`` and ``release`` to use instead of the configured method's (the
+        simulated executor's ``SyntheticProposer``)."""
         self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
         self.spec_stats = SpecStats()
         self.model_config = cfg
@@ -108,7 +111,9 @@ class Engine:
         )
         self.proposer: Any = None
         spec = self.speculative_config
-        if spec is not None and spec.method == "ngram":
+        if spec is not None and proposer is not None:
+            self.proposer = proposer
+        elif spec is not None and spec.method == "ngram":
             self.proposer = NgramProposer(spec)
         elif spec is not None:
             self.proposer = self._draft_proposer(spec, draft_model, dtype, attention_backend)
