@@ -367,6 +367,37 @@ class ExperimentConfig:
 
 
 @dataclass(frozen=True)
+class SpeculationConfig:
+    """Speculative decoding in an experiment (the ``speculative`` group): ``method`` null is
+    off, ``ngram`` is prompt lookup (``SpeculativeConfig``'s keys). ``acceptance_rate``:
+    simulated only, the fraction of drafts the target accepts (a real run measures it)."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    acceptance_rate: float | None = None
+
+    def __post_init__(self) -> None:
+        self.speculative_config()  # validates
+        if self.acceptance_rate is not None and not 0.0 <= self.acceptance_rate <= 1.0:
+            raise ValueError(f"acceptance_rate must be in [0, 1], got {self.acceptance_rate}")
+
+    def speculative_config(self) -> dict[str, Any] | None:
+        """vLLM's dict for ``LLM(speculative_config=...)``, or None when off."""
+        if self.method is None:
+            return None
+        d = {
+            "method": self.method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "prompt_lookup_max": self.prompt_lookup_max,
+            "prompt_lookup_min": self.prompt_lookup_min,
+        }
+        SpeculativeConfig.from_dict(d)
+        return d
+
+
+@dataclass(frozen=True)
 class TrackingConfig:
     """W&B: ``offline`` (default, no network), ``online``, or ``disabled``. Results files and
     plots land in the run directory whatever W&B does."""
@@ -389,6 +420,7 @@ class RunConfig:
     workload: WorkloadConfig = WorkloadConfig()
     experiment: ExperimentConfig = ExperimentConfig()
     tracking: TrackingConfig = TrackingConfig()
+    speculative: SpeculationConfig = SpeculationConfig()
     output_dir: str | None = None  # default: Hydra's run directory
 
 
@@ -402,6 +434,7 @@ RUN_GROUPS = {
     "workload": WorkloadConfig,
     "experiment": ExperimentConfig,
     "tracking": TrackingConfig,
+    "speculative": SpeculationConfig,
 }
 
 

@@ -533,3 +533,45 @@ def test_simulated_speculation_prices_verification_and_acceptance():
     assert predicted == pytest.approx(fast, rel=0.15)
     with pytest.raises(ValueError, match="speculative_acceptance_rate"):
         LLM("tiny-llama", speculative_config=k4, speculative_acceptance_rate=0.5)
+
+
+def test_speculative_experiment_composes_and_runs_one_simulated_point(tmp_path):
+    """The Hydra group (``speculative=none|ngram``) and configs/experiment/speculative.yaml:
+    one small point with speculation writes its acceptance into results.jsonl."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from experiments.sweep import run_experiment
+    from research.bench import read_results
+    from research.config import register_configs, run_config_from
+
+    configs = str(Path(__file__).resolve().parents[1] / "configs")
+    register_configs()
+    with initialize_config_dir(config_dir=configs, version_base=None):
+        plain = run_config_from(compose(config_name="config", overrides=["experiment=speculative"]))
+        run = run_config_from(
+            compose(
+                config_name="config",
+                overrides=[
+                    "experiment=speculative",
+                    "speculative=ngram",
+                    "speculative.acceptance_rate=0.9",
+                    "experiment.concurrencies=[2]",
+                    "experiment.prompts_per_concurrency=1",
+                    "workload.output_len=32",
+                    "tracking=disabled",
+                ],
+            )
+        )
+    assert plain.speculative.method is None and plain.hardware.name == "gb10"
+    assert run.speculative.speculative_config()["num_speculative_tokens"] == 4
+    run_experiment(run, str(tmp_path))
+    (point,) = read_results(tmp_path / "results.jsonl")
+    assert point["speculative_method"] == "ngram"
+    assert point["spec_mean_acceptance_length"] > 2
+    assert "ngram-k4-a0.9" in point["label"]
+    with pytest.raises(ValueError, match="acceptance_rate"):
+        from research.config import SpeculationConfig
+
+        SpeculationConfig(method="ngram", acceptance_rate=1.5)
