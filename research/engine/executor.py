@@ -5,7 +5,9 @@ cost what the real tokens cost); attention unpacks them per sequence. Shapes are
 powers of two so a run compiles a bounded number of functions: packed tokens N, rows R
 (sequences in the call, up to max_num_seqs), tokens per row T (1 for decode, a bucket of the
 longest chunk for prefill) and blocks per row M (a bucket of the longest block table).
-Decode rows and prefill chunks run as two calls of the same function in one step. The step
+Decode rows and prefill chunks run as two calls of the same function in one step; speculative
+rows (a sequence's last token and its drafts) run as a third call of ``verify_step``, which
+scores every one of their positions and accepts or rejects the drafts on device. The step
 reads the KV pool; a second jitted call scatters the new K/V into the donated pool in place.
 
 The jitted functions live at module level with the model config as a static argument, so every

@@ -5,6 +5,11 @@ waiting ones, under ``max_num_seqs`` and a token budget of ``max_num_batched_tok
 block pool cannot hold a running sequence's next tokens, the newest running sequence is
 preempted by recompute: its blocks are freed and it goes back to the head of the waiting queue.
 
+Speculative decoding: a caught-up running sequence with drafts (``seq.spec_token_ids``) is
+scheduled as a verify chunk of its last token and the drafts (as many as the budget leaves room
+for), if the pool holds their slots; else it decodes one token as usual. ``commit_verified``
+rolls back the rejected drafts' slots.
+
 ``static`` policy: a batch admits waiting sequences, prefills chunked under the token budget
 over as many steps as that takes, until it holds ``max_num_seqs``, the queue is empty or the
 pool is full; then it runs until its longest member finishes (the baseline continuous batching
