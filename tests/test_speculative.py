@@ -325,6 +325,7 @@ def test_greedy_outputs_identical_with_ngram_speculation(tiny, tiny_reference):
     engine.block_manager.check_invariants([])
 
 
+@pytest.mark.slow
 def test_speculation_under_memory_pressure_loses_nothing(tiny, tiny_reference):
     """A pool of 24 blocks for a demand of 60: preemption by recompute (prefix-cache hits on
     the accepted tokens' blocks when a request resumes), in a NaN-poisoned pool."""
@@ -395,6 +396,7 @@ SMOLLM2_TEXTS = [
 ]
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_outputs_identical_with_ngram_speculation(smollm2_llm):
     """Real weights and tokenizer: the same greedy tokens with and without n-gram drafts (up
     to near-ties of the top-2 logits, where a different packing may round either way)."""
@@ -444,10 +446,10 @@ def test_draft_model_greedy_outputs_identical(tiny, tiny_reference):
     cfg, params = tiny
     spec = {"model": "tiny-llama", "num_speculative_tokens": 3}
     stranger = init_params(cfg, jax.random.key(7))
-    for draft, rate in (((cfg, params), 1.0), ((cfg, stranger), None)):
+    for draft, rate, n in (((cfg, params), 1.0, 40), ((cfg, stranger), None, 16)):
         engine = _tiny_engine(tiny, spec, draft_model=draft)
-        outputs = engine.generate(TINY_PROMPTS, [_greedy()] * len(TINY_PROMPTS))
-        assert [o.token_ids for o in outputs] == [o.token_ids for o in tiny_reference]
+        outputs = engine.generate(TINY_PROMPTS, [_greedy(n)] * len(TINY_PROMPTS))
+        assert [o.token_ids for o in outputs] == [o.token_ids[:n] for o in tiny_reference]
         s = engine.stats()
         print(
             f"\ndraft model k=3: {s['spec_num_accepted_tokens']} of "
