@@ -354,8 +354,10 @@ def test_sampled_speculation_stops_and_logprob_requests_decode_plainly(tiny):
     assert len(outputs[0].token_ids) == 30 and len(outputs[3].token_ids) == 7
     assert all(0 <= t < vocab for o in outputs for t in o.token_ids)
     assert len(outputs[1].logprobs) == 13
-    plain = _tiny_engine(tiny).generate([TINY_PROMPTS[1]], [sps[1]])[0]
+    plain_engine = _tiny_engine(tiny)
+    plain = plain_engine.generate([TINY_PROMPTS[1]], [sps[1]])[0]
     assert outputs[1].token_ids == plain.token_ids
+    assert not plain_engine.executor.verify_shapes  # no speculation, no verification call
     stop = outputs[2]
     assert stop.finish_reason == "length" or stop.token_ids[-1] == 8
     assert 8 not in stop.token_ids[:-1]
