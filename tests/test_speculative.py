@@ -332,7 +332,12 @@ def test_speculation_under_memory_pressure_loses_nothing(tiny, tiny_reference):
     engine = _tiny_engine(tiny, NGRAM, num_kv_blocks=24, poison_freed_blocks=True)
     outputs = engine.generate(TINY_PROMPTS, [_greedy()] * len(TINY_PROMPTS))
     s = engine.stats()
+    print(
+        f"\nmemory pressure: {s['num_preemptions']} preemptions, prefix-cache hit rate "
+        f"{s['prefix_cache_hit_rate']:.2f}, {s['spec_num_accepted_tokens']} drafts accepted"
+    )
     assert s["num_preemptions"] > 0
+    assert s["prefix_cache_hit_rate"] > 0  # resumed requests reuse their accepted blocks
     assert s["spec_num_accepted_tokens"] > 0
     assert [o.token_ids for o in outputs] == [o.token_ids for o in tiny_reference]
     assert all(o.finish_reason == "length" for o in outputs)
