@@ -584,3 +584,12 @@ def test_speculative_experiment_composes_and_runs_one_simulated_point(tmp_path):
         from research.config import SpeculationConfig
 
         SpeculationConfig(method="ngram", acceptance_rate=1.5)
+
+
+def test_serve_cli_takes_vllms_speculative_config_json(capsys):
+    from research.serve.__main__ import main
+
+    bad = '{"method": "eagle", "num_speculative_tokens": 2}'
+    with pytest.raises(SystemExit):
+        main(["tiny-llama", "--speculative-config", bad])
+    assert "method must be one of" in capsys.readouterr().err
