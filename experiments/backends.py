@@ -46,6 +46,9 @@ class EngineBackend:
                 tensor_parallel_size=run.hardware.tensor_parallel_size,
                 enable_expert_parallel=run.hardware.enable_expert_parallel,
                 cost_model_options={"moe_routing": run.hardware.moe_routing},
+                speculative_acceptance_rate=(
+                    run.speculative.acceptance_rate if run.speculative.method else None
+                ),
             )
         else:
             from research.engine.compile_cache import enable_compilation_cache
@@ -74,6 +77,7 @@ class EngineBackend:
                 num_kv_blocks=c.num_kv_blocks,
                 kv_cache_memory_bytes=c.kv_cache_memory_bytes,
                 enable_prefix_caching=c.enable_prefix_caching,
+                speculative_config=run.speculative.speculative_config(),
             )
 
         self.llm = make_llm()
@@ -98,7 +102,15 @@ class EngineBackend:
             engine_name += f"-tp{run.hardware.tensor_parallel_size}"
         if run.hardware.num_replicas > 1:
             engine_name += f"-x{run.hardware.num_replicas}"
-        self.label = " ".join([engine_name, m.model, *([q.quantization] if q.quantization else [])])
+        spec = run.speculative
+        speculation = []
+        if spec.method:
+            speculation = [f"{spec.method}-k{spec.num_speculative_tokens}"]
+            if self.simulated:
+                speculation[0] += f"-a{spec.acceptance_rate}"
+        self.label = " ".join(
+            [engine_name, m.model, *([q.quantization] if q.quantization else []), *speculation]
+        )
         self.vocab_size = cfg.vocab_size
         tokenizer = self.llm.tokenizer
         special = set(cfg.eos_token_ids)

@@ -118,6 +118,16 @@ def run_point(
         "range_ratio": w.range_ratio,
         "experiment": e.name,
     }
+    if run.speculative.method:
+        drafted = _delta(after, before, "spec_num_draft_tokens")
+        accepted = _delta(after, before, "spec_num_accepted_tokens")
+        rows = _delta(after, before, "spec_num_drafts")
+        extra |= {
+            "speculative_method": run.speculative.method,
+            "num_speculative_tokens": run.speculative.num_speculative_tokens,
+            "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "spec_mean_acceptance_length": 1 + accepted / rows if rows else 0.0,
+        }
     if "num_preemptions" in after:
         extra["num_preemptions"] = int(_delta(after, before, "num_preemptions"))
     if steps and run.executor.kind == "real":

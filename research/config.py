@@ -195,6 +195,91 @@ class SchedulerConfig:
             )
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config`` keys).
+
+    ``ngram``: prompt lookup. The last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens of a
+    sequence are looked up earlier in its own tokens (longest n-gram first, latest match), and
+    up to ``num_speculative_tokens`` tokens that followed the match are proposed.
+    ``draft_model``: ``model`` (a preset name or path with the target's vocabulary) decodes
+    ``num_speculative_tokens`` tokens greedily from its own paged KV cache.
+    The target model verifies the drafts in the same step; rejection sampling keeps its output
+    distribution.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    model: str | None = None  # draft_model: the draft's preset name or path
+
+    def __post_init__(self) -> None:
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(
+                "speculative_config: method 'draft_model' needs 'model' (a preset name or path), "
+                f"got {self.model!r}"
+            )
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config: method 'ngram' takes no 'model'")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config: method must be one of {SPECULATIVE_METHODS}, "
+                f"got {self.method!r}"
+            )
+        for name, low in (
+            ("num_speculative_tokens", 1),
+            ("prompt_lookup_max", 1),
+            ("prompt_lookup_min", 1),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(
+                    f"speculative_config: {name} must be an integer >= {low}, got {value!r}"
+                )
+        if self.num_speculative_tokens > 64:
+            raise ValueError(
+                "speculative_config: num_speculative_tokens must be <= 64, got "
+                f"{self.num_speculative_tokens}"
+            )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+    @classmethod
+    def from_dict(cls, d: Any) -> SpeculativeConfig | None:
+        """vLLM's dict (None, a dict or a SpeculativeConfig) -> a SpeculativeConfig or None.
+        Unknown keys and bad values raise ValueError naming them."""
+        if d is None or isinstance(d, cls):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict or None, got {d!r}")
+        d = dict(d)
+        if "model" in d and "method" not in d:
+            d["method"] = "draft_model"  # vLLM infers the method from the model
+        if "method" not in d:
+            raise ValueError(
+                f"speculative_config needs 'method' (one of {SPECULATIVE_METHODS}), got {d!r}"
+            )
+        if "num_speculative_tokens" not in d:
+            raise ValueError("speculative_config needs 'num_speculative_tokens'")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown key(s) {unknown}; known keys are {sorted(known)}"
+            )
+        low = d.get("prompt_lookup_min")
+        if "prompt_lookup_max" not in d and isinstance(low, int) and not isinstance(low, bool):
+            d["prompt_lookup_max"] = max(low, cls.prompt_lookup_max)
+        return cls(**d)
+
+
 # ---------------------------------------------------------------------- experiment schemas
 # The Hydra app (``python -m experiments.run``) composes one RunConfig from the config groups in
 # ``configs/``; ``register_configs`` stores these dataclasses in Hydra's ConfigStore so every
@@ -328,6 +413,37 @@ class ExperimentConfig:
 
 
 @dataclass(frozen=True)
+class SpeculationConfig:
+    """Speculative decoding in an experiment (the ``speculative`` group): ``method`` null is
+    off, ``ngram`` is prompt lookup (``SpeculativeConfig``'s keys). ``acceptance_rate``:
+    simulated only, the fraction of drafts the target accepts (a real run measures it)."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    acceptance_rate: float | None = None
+
+    def __post_init__(self) -> None:
+        self.speculative_config()  # validates
+        if self.acceptance_rate is not None and not 0.0 <= self.acceptance_rate <= 1.0:
+            raise ValueError(f"acceptance_rate must be in [0, 1], got {self.acceptance_rate}")
+
+    def speculative_config(self) -> dict[str, Any] | None:
+        """vLLM's dict for ``LLM(speculative_config=...)``, or None when off."""
+        if self.method is None:
+            return None
+        d = {
+            "method": self.method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "prompt_lookup_max": self.prompt_lookup_max,
+            "prompt_lookup_min": self.prompt_lookup_min,
+        }
+        SpeculativeConfig.from_dict(d)
+        return d
+
+
+@dataclass(frozen=True)
 class TrackingConfig:
     """W&B: ``offline`` (default, no network), ``online``, or ``disabled``. Results files and
     plots land in the run directory whatever W&B does."""
@@ -350,6 +466,7 @@ class RunConfig:
     workload: WorkloadConfig = WorkloadConfig()
     experiment: ExperimentConfig = ExperimentConfig()
     tracking: TrackingConfig = TrackingConfig()
+    speculative: SpeculationConfig = SpeculationConfig()
     output_dir: str | None = None  # default: Hydra's run directory
 
 
@@ -363,6 +480,7 @@ RUN_GROUPS = {
     "workload": WorkloadConfig,
     "experiment": ExperimentConfig,
     "tracking": TrackingConfig,
+    "speculative": SpeculationConfig,
 }
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from research.config import CacheConfig, SchedulerConfig
+from research.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from research.engine.engine import Engine, kv_cache_summary
 from research.engine.kv_cache import kv_pool_bytes_per_block
 from research.engine.request import RequestOutput, SamplingParams, check_bool, check_int, check_real
@@ -45,6 +45,12 @@ class LLM:
         (``moe_routing``, ``params``, ...).
       max_model_len: longest prompt + generation; defaults to the model's context length.
       seed: seeds random-init presets and requests that give no seed of their own.
+      speculative_config: vLLM's dict, e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
+        "prompt_lookup_max": 4, "prompt_lookup_min": 1}`` (``research.config.SpeculativeConfig``):
+        drafts are verified in the same step and accepted by rejection sampling, so outputs
+        are distributed as without it. ``{"model": <preset or path>, ...}``: a draft model.
+      speculative_acceptance_rate: simulated only: the fraction of drafts the target accepts
+        (each independently, until the first rejection).
       The rest configure the engine with vLLM's names (see CacheConfig, SchedulerConfig).
     """
 
@@ -73,7 +79,35 @@ class LLM:
         enable_expert_parallel: bool = False,
         poison_freed_blocks: bool = False,
         cost_model_options: dict[str, Any] | None = None,
+        speculative_config: dict[str, Any] | None = None,
+        speculative_acceptance_rate: float | None = None,
     ):
+        speculative = SpeculativeConfig.from_dict(speculative_config)
+        if speculative is not None and executor == "simulated":
+            if speculative.method != "ngram":
+                raise ValueError(
+                    "the simulated executor prices n-gram speculation only (method 'ngram')"
+                )
+            if speculative_acceptance_rate is None:
+                raise ValueError(
+                    "simulated speculative decoding needs speculative_acceptance_rate (the "
+                    "fraction of drafts the target accepts, e.g. 0.7)"
+                )
+        if speculative_acceptance_rate is not None:
+            if speculative is None or executor != "simulated":
+                raise ValueError(
+                    "speculative_acceptance_rate is for executor='simulated' with a "
+                    "speculative_config (a real run measures its acceptance)"
+                )
+            if (
+                not 0.0
+                <= check_real("speculative_acceptance_rate", speculative_acceptance_rate)
+                <= 1
+            ):
+                raise ValueError(
+                    "speculative_acceptance_rate must be in [0, 1], got "
+                    f"{speculative_acceptance_rate}"
+                )
         if isinstance(model, os.PathLike):
             model = os.fspath(model)
         if not isinstance(model, str) or not model:
@@ -124,7 +158,7 @@ class LLM:
             from research.models.presets import get_preset
             from research.perf import kv_capacity_blocks
             from research.perf.cost_model import CostModel
-            from research.perf.simulated import SimulatedExecutor
+            from research.perf.simulated import SimulatedExecutor, SyntheticProposer
 
             if hardware is None:
                 raise ValueError('executor="simulated" needs hardware= (e.g. "gb10" or "h200")')
@@ -152,7 +186,7 @@ class LLM:
                 expert_parallel=enable_expert_parallel,
                 **(cost_model_options or {}),
             )
-            sim = SimulatedExecutor(cost)
+            sim = SimulatedExecutor(cost, acceptance_rate=speculative_acceptance_rate or 0.0)
         else:
             self.model_config, self.params, self.tokenizer = load_model(model, self.dtype, seed)
             stored = stored_quantization(self.params)
@@ -207,7 +241,13 @@ class LLM:
             seed=seed,
             poison_freed_blocks=poison_freed_blocks,
             plan=plan,
+            speculative_config=speculative,
             **(dict(executor=sim, clock=sim.clock) if sim is not None else {}),
+            **(
+                dict(proposer=SyntheticProposer(speculative.num_speculative_tokens))
+                if sim is not None and speculative is not None
+                else {}
+            ),
         )
         if plan is not None:
             self.params = self.engine.executor.params  # placed on the mesh; no second copy

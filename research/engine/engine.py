@@ -19,12 +19,13 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from research.config import CacheConfig, ModelConfig, SchedulerConfig
+from research.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from research.engine.block_manager import BlockManager
 from research.engine.executor import ModelExecutor, StepResult, decode_logprobs, num_blocks_for
 from research.engine.isolation import isolate_failure
+from research.engine.proposer import NgramProposer
 from research.engine.request import RequestMetrics, RequestOutput, SamplingParams
-from research.engine.scheduler import Scheduler, StepPlan
+from research.engine.scheduler import ScheduledSeq, Scheduler, StepPlan
 from research.engine.sequence import Sequence
 from research.models.transformer import Params
 from research.tokenizer import Tokenizer
@@ -60,11 +61,23 @@ class Engine:
         clock: Callable[[], float] = time.perf_counter,
         executor: Any = None,
         plan: Any = None,
+        speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
+        draft_model: tuple[ModelConfig, Params] | None = None,
+        proposer: Any = None,
     ):
         """``executor``: an object with ``ModelExecutor``'s ``execute`` / ``poison_blocks`` /
         ``num_compilations`` (e.g. ``research.perf.simulated.SimulatedExecutor``) to use instead
         of running ``params`` here; the pool size then comes from ``cache_config.num_kv_blocks``.
-        ``plan``: a ``research.parallel.ShardingPlan`` (tensor / expert parallel)."""
+        ``plan``: a ``research.parallel.ShardingPlan`` (tensor / expert parallel).
+        ``speculative_config``: vLLM's dict (``{"method": "ngram", "num_speculative_tokens":
+        k, ...}``) or a ``SpeculativeConfig``: each caught-up sequence proposes up to k drafts
+        that the step verifies (requests that ask for logprobs decode without drafts).
+        ``draft_model``: the (config, params) of ``speculative_config``'s draft model, if it is
+        loaded already (else it is loaded here by name). ``proposer``: an object with
+        ``propose_batch`` and ``release`` to use instead of the configured method's (the
+        simulated executor's ``SyntheticProposer``)."""
+        self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
+        self.spec_stats = SpecStats()
         self.model_config = cfg
         self.tokenizer = tokenizer
         self.cache_config = cache_config or CacheConfig()
@@ -100,6 +113,22 @@ class Engine:
             kv_fill_value=float("nan") if poison_freed_blocks else 0.0,
             plan=plan,
         )
+        self.proposer: Any = None
+        spec = self.speculative_config
+        if spec is not None and "sliding_attention" in cfg.layer_types:
+            raise ValueError(
+                f"speculative_config: {cfg.name} has sliding-window layers, whose "
+                "blocks a rollback of rejected drafts does not restore; serve it without "
+                "speculation"
+            )
+        if spec is not None and proposer is not None:
+            self.proposer = proposer
+        elif spec is not None and spec.method == "ngram":
+            self.proposer = NgramProposer(spec)
+        elif spec is not None:
+            self.proposer = self._draft_proposer(spec, draft_model, dtype, attention_backend)
+        if spec is not None and hasattr(self.executor, "verify_tokens_per_row"):
+            self.executor.verify_tokens_per_row = 1 + spec.num_speculative_tokens
         # Timestamps in RequestMetrics come from ``clock`` (a simulated executor's virtual clock
         # replaces it); step and device times below are always real wall-clock seconds.
         self.clock = clock
@@ -263,6 +292,8 @@ class Engine:
         If the executor raises, the requests that make it fail are found (``isolate_failure``) and
         finished with ``finish_reason="error"``; the others advance as if nothing happened."""
         t0 = time.perf_counter()
+        if self.proposer is not None:
+            self._propose()
         plan = self.scheduler.schedule()
         if self.on_schedule is not None:
             self.on_schedule()
@@ -291,6 +322,57 @@ class Engine:
         self.device_time += result.device_time
         self.step_time += time.perf_counter() - t0
         return outputs
+
+    def _draft_proposer(
+        self,
+        spec: SpeculativeConfig,
+        draft_model: tuple[ModelConfig, Params] | None,
+        dtype: Any,
+        attention_backend: str,
+    ) -> Any:
+        from research.engine.draft_proposer import DraftModelProposer
+
+        if draft_model is None:
+            from research.models.load import load_model
+
+            cfg, params, _ = load_model(spec.model, dtype, self.seed)
+        else:
+            cfg, params = draft_model
+        if cfg.vocab_size != self.model_config.vocab_size:
+            raise ValueError(
+                f"speculative_config: the draft model {spec.model!r} has a vocabulary of "
+                f"{cfg.vocab_size} tokens; the target's has {self.model_config.vocab_size}"
+            )
+        return DraftModelProposer(
+            spec,
+            cfg,
+            params,
+            num_blocks=self.block_manager.num_blocks,
+            block_size=self.block_manager.block_size,
+            max_num_seqs=self.scheduler_config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            dtype=dtype,
+            attention_backend=attention_backend,
+        )
+
+    def _propose(self) -> None:
+        """Drafts for every caught-up running sequence (none for requests that want logprobs:
+        those are returned per sampled position). A sequence never drafts past max_tokens."""
+        t0 = time.perf_counter()
+        requests = []
+        for seq in self.scheduler.running:
+            seq.spec_token_ids = []
+            sp = seq.sampling_params
+            if seq.num_uncomputed_tokens != 1 or sp.logprobs is not None:
+                continue
+            room = sp.max_tokens - len(seq.output_token_ids) - 1
+            if room > 0:
+                requests.append((seq, room))
+        if requests:
+            drafts = self.proposer.propose_batch(requests)
+            for seq, room in requests:
+                seq.spec_token_ids = drafts.get(seq.request_id, [])[:room]
+        self.spec_stats.proposer_time += time.perf_counter() - t0
 
     def _check_seq(self, seq: Sequence) -> None:
         """Re-validate a scheduled request's own state (ValueError if it cannot be served)."""
@@ -330,10 +412,48 @@ class Engine:
             if seq.finish_reason is not None:
                 self._finish(seq)
             outputs.append(self._output(seq))
+        for item in plan.verifies:
+            output = self._commit_verified(item, result, now)
+            if output is not None:
+                outputs.append(output)
         if self.poison_freed_blocks:
             freed, self.block_manager.freed_blocks = self.block_manager.freed_blocks, []
             self.executor.poison_blocks(freed)
         return outputs
+
+    def _commit_verified(
+        self, item: ScheduledSeq, result: StepResult, now: float
+    ) -> RequestOutput | None:
+        """Append a verified row's accepted drafts and its sampled token (up to a stop), then
+        roll back the rejected drafts' slots."""
+        seq = item.seq
+        rid = seq.request_id
+        accepted = result.accepted.get(rid, [])
+        tokens = [*accepted, result.tokens[rid]]
+        gaps = [*result.accepted_top2_gaps.get(rid, []), result.top2_gaps[rid]]
+        stats = self.spec_stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += len(item.draft_token_ids)
+        stats.num_accepted_tokens += len(accepted)
+        for j in range(len(accepted)):
+            stats.accepted_per_position[j] = stats.accepted_per_position.get(j, 0) + 1
+        m = seq.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        try:
+            for token, gap in zip(tokens, gaps, strict=True):
+                m.token_times.append(now)
+                seq.top2_gaps.append(gap)
+                self._append_and_check_stop(seq, token)
+                if seq.finish_reason is not None:
+                    break
+        except Exception as error:  # e.g. a detokenizer error: this request's alone
+            self.scheduler.commit_verified(item, len(accepted))
+            return self._fail(seq, f"{type(error).__name__}: {error}")
+        stats.num_rollback_blocks += self.scheduler.commit_verified(item, len(accepted))
+        if seq.finish_reason is not None:
+            self._finish(seq)
+        return self._output(seq)
 
     def _append_and_check_stop(self, seq: Sequence, token: int) -> None:
         """vLLM's stop rules: the token is always kept in ``token_ids`` (EOS included); the
@@ -384,6 +504,8 @@ class Engine:
         return seq.prompt_logprobs
 
     def _finish(self, seq: Sequence) -> None:
+        if self.proposer is not None:
+            self.proposer.release(seq.request_id)
         self.requests.pop(seq.request_id, None)
         self.scheduler.finish(seq)
         seq.metrics.finished_time = self.clock()
@@ -427,4 +549,34 @@ class Engine:
             "step_time_s": self.step_time,
             "device_time_s": self.device_time,
             "host_time_s": self.step_time - self.device_time,
+        } | (self.spec_stats.as_dict(self.num_steps) if self.proposer is not None else {})
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Speculative decoding counters (vLLM's names where it has them)."""
+
+    num_drafts: int = 0  # verified rows that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: dict[int, int] = dataclasses.field(default_factory=dict)
+    num_rollback_blocks: int = 0  # blocks released by rolling back rejected drafts
+    proposer_time: float = 0.0  # wall seconds spent proposing drafts
+
+    def as_dict(self, num_steps: int) -> dict[str, Any]:
+        n, drafted = self.num_drafts, self.num_draft_tokens
+        return {
+            "spec_num_drafts": n,
+            "spec_num_draft_tokens": drafted,
+            "spec_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_acceptance_rate": self.num_accepted_tokens / drafted if drafted else 0.0,
+            # Tokens a verified row emits on average: its accepted drafts plus one sampled.
+            "spec_mean_acceptance_length": 1 + self.num_accepted_tokens / n if n else 0.0,
+            "spec_draft_tokens_per_step": drafted / num_steps if num_steps else 0.0,
+            "spec_accepted_per_position": [
+                self.accepted_per_position.get(j, 0)
+                for j in range(max(self.accepted_per_position, default=-1) + 1)
+            ],
+            "spec_rollback_blocks": self.num_rollback_blocks,
+            "spec_proposer_time_s": self.proposer_time,
         }

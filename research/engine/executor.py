@@ -5,7 +5,9 @@ cost what the real tokens cost); attention unpacks them per sequence. Shapes are
 powers of two so a run compiles a bounded number of functions: packed tokens N, rows R
 (sequences in the call, up to max_num_seqs), tokens per row T (1 for decode, a bucket of the
 longest chunk for prefill) and blocks per row M (a bucket of the longest block table).
-Decode rows and prefill chunks run as two calls of the same function in one step. The step
+Decode rows and prefill chunks run as two calls of the same function in one step; speculative
+rows (a sequence's last token and its drafts) run as a third call of ``verify_step``, which
+scores every one of their positions and accepts or rejects the drafts on device. The step
 reads the KV pool; a second jitted call scatters the new K/V into the donated pool in place.
 
 The jitted functions live at module level with the model config as a static argument, so every
@@ -39,6 +41,7 @@ from research.engine.kv_cache import (
     resolve_attention_backend,
     write_kv,
 )
+from research.engine.rejection_sampler import rejection_sample
 from research.engine.request import MAX_LOGPROBS, Logprob, SamplingParams
 from research.engine.sampler import SamplingTensors, greedy, sample, token_logprobs
 from research.engine.scheduler import ScheduledSeq, StepPlan
@@ -119,6 +122,56 @@ def model_step(
         ).items()
     }
     return cache.new_k, cache.new_v, sampled, gaps, logprobs
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class VerifyInputs:
+    """Speculative rows' drafts, for ``verify_step``: T verified positions per row."""
+
+    logits_index: jax.Array  # [R, T] int32: packed index of each row's t-th token (0 = padding)
+    draft_tokens: jax.Array  # [R, T - 1] int32, -1 = padding
+    num_drafts: jax.Array  # [R] int32
+
+
+VERIFY_TRACES = [0]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "plan"))
+def verify_step(
+    params: Params,
+    pool: KVPool,
+    batch: StepBatch,
+    verify: VerifyInputs,
+    *,
+    cfg: ModelConfig,
+    backend: str,
+    plan: Any = None,
+) -> tuple[list[jax.Array], list[jax.Array], jax.Array, jax.Array, jax.Array]:
+    """Forward over each row's last token and drafts, then rejection sampling
+    (``research.engine.rejection_sampler``). Returns new K/V per layer ([N, K, E]), tokens
+    [R, T] (accepted drafts, the sampled token, then -1), accepted counts [R] and the top-2
+    logit gap at every verified position [R, T]. A separate function from ``model_step``, so
+    runs without speculation compile and run exactly what they did before."""
+    VERIFY_TRACES[0] += 1  # runs only while tracing
+    cache = PagedKVCache(
+        pool,
+        batch.block_tables,
+        batch.token_row,
+        batch.token_col,
+        batch.row_positions,
+        backend=backend,
+        plan=plan,
+        sliding_block_tables=batch.sliding_block_tables,
+    )
+    hidden, cache = forward(params, cfg, batch.tokens[None], batch.positions[None], cache, backend)
+    r, t = verify.logits_index.shape
+    logits = compute_logits(params, cfg, hidden[0, verify.logits_index.reshape(-1)])  # [R*T, V]
+    gaps = greedy(logits)[1].reshape(r, t)
+    tokens, num_accepted = rejection_sample(
+        logits.reshape(r, t, -1), verify.draft_tokens, verify.num_drafts, batch.sampling
+    )
+    return cache.new_k, cache.new_v, tokens, num_accepted, gaps
 
 
 def _when(pred: jax.Array, fn: Any, rows: int) -> dict[str, jax.Array]:
@@ -214,6 +267,10 @@ class StepResult:
     logprobs: dict[str, RawLogprobs] = field(default_factory=dict)
     # Requests that asked for prompt_logprobs: {position of the prompt token: its entry}.
     prompt_logprobs: dict[str, dict[int, RawLogprobs]] = field(default_factory=dict)
+    # Speculative rows: the drafts accepted (in order, before ``tokens[id]``) and the top-2
+    # logit gap where each was verified.
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+    accepted_top2_gaps: dict[str, list[float]] = field(default_factory=dict)
 
 
 def decode_logprobs(raw: RawLogprobs, token: int, n: int, decode: Any) -> dict[int, Logprob]:
@@ -298,6 +355,8 @@ class ModelExecutor:
                 fill_blocks, donate_argnums=0, static_argnums=2, out_shardings=keep
             )
         self.step_shapes: set[tuple[int, ...]] = set()  # (N, R, T, M) of every call run
+        self.verify_shapes: set[tuple[int, ...]] = set()  # the same, of speculative verification
+        self.verify_tokens_per_row = 2  # speculative decoding: 1 + num_speculative_tokens
         # Serving: a call whose shape is not compiled runs padded to the cheapest compiled shape
         # that holds it (a "cover") while its own shape compiles on a background thread; the
         # step never waits for a compile when a cover exists (``precompile_covers``).
@@ -312,7 +371,7 @@ class ModelExecutor:
     @property
     def num_compilations(self) -> int:
         """Distinct step shapes this executor ran: each compiled once (bounded by the buckets)."""
-        return len(self.step_shapes)
+        return len(self.step_shapes) + len(self.verify_shapes)
 
     # ------------------------------------------------------------------ host
 
@@ -327,18 +386,27 @@ class ModelExecutor:
         for group, is_decode in ((plan.decodes, True), (plan.prefills, False)):
             if group:
                 result.device_time += self._run(group, is_decode, result)
+        if plan.verifies:
+            result.device_time += self._run(plan.verifies, False, result, verify=True)
         result.duration = time.perf_counter() - t0
         return result
 
-    def call_shape(self, group: list[ScheduledSeq], is_decode: bool) -> tuple[int, int, int, int]:
+    def call_shape(
+        self, group: list[ScheduledSeq], is_decode: bool, verify: bool = False
+    ) -> tuple[int, int, int, int]:
         """(N packed tokens, R rows, T tokens per row, M blocks per row) of the call that runs
-        ``group``: each a bucket, so a run compiles a bounded number of shapes."""
+        ``group``: each a bucket, so a run compiles a bounded number of shapes. Verification
+        rows (``verify``: last token + drafts) take T = ``verify_tokens_per_row`` (1 + the
+        configured drafts), not a bucket from 16: every position of theirs is scored."""
         r = bucket(len(group), 1, self.max_num_seqs)
         n_tokens = sum(item.num_new_tokens for item in group)
         n = r if is_decode else bucket(n_tokens, 16, max(16, self.max_num_batched_tokens))
         longest = max(item.num_new_tokens for item in group)
-        t = 1 if is_decode else bucket(longest, 16, n)
-        if not is_decode and all(item.start == 0 for item in group):
+        if verify:  # every verification call of a run has the same T: fewer shapes
+            t = max(longest, self.verify_tokens_per_row)
+        else:
+            t = 1 if is_decode else bucket(longest, 16, n)
+        if not is_decode and not verify and all(item.start == 0 for item in group):
             return n, r, t, 0  # fresh prompts only: no cached context to read (M = 0)
         # At least 128 tokens of context per row: fewer shapes to compile for short sequences.
         m_min = -(-128 // self.block_size)
@@ -477,9 +545,12 @@ class ModelExecutor:
                 )
         return len(todo)
 
-    def _run(self, group: list[ScheduledSeq], is_decode: bool, out: StepResult) -> float:
+    def _run(
+        self, group: list[ScheduledSeq], is_decode: bool, out: StepResult, verify: bool = False
+    ) -> float:
         """Pack, run and unpack one call; returns the seconds spent in the jitted calls."""
-        n_rows = len(group)
+        if verify:
+            return self._run_verify(group, out)
         shape = self.call_shape(group, is_decode)
         cover = None
         if self.compile_in_background and shape not in self.step_shapes:
@@ -488,6 +559,91 @@ class ModelExecutor:
             self._compile_later(shape)
             self.covered_calls += 1
             shape = cover
+        batch, slots, sliding_slots, positions, prompt_targets, params = self._pack(group, shape)
+        n = shape[0]
+        with self._lock:
+            self.step_shapes.add(shape)
+            compiled = self._background.get(shape)
+            write = self._writes.get(n, self._write_kv)
+        t0 = time.perf_counter()
+        if compiled is not None:
+            new_k, new_v, sampled, gaps, lps = compiled(self.params, self.pool, batch)
+        else:
+            new_k, new_v, sampled, gaps, lps = model_step(
+                self.params, self.pool, batch, cfg=self.cfg, backend=self.backend, plan=self.plan
+            )
+        self.pool = write(self.pool, new_k, new_v, slots, sliding_slots)
+        sampled, gaps = to_host(sampled), to_host(gaps)
+        want = {i for i, p in enumerate(params) if p.logprobs is not None}
+        if want:
+            sample_lps = _raw(lps, "sample")
+        if (prompt_targets >= 0).any():
+            prompt_lps = _raw(lps, "prompt")
+        device_time = time.perf_counter() - t0
+        offset = 0
+        for i, item in enumerate(group):
+            rid = item.seq.request_id
+            out.tokens[rid] = int(sampled[i])
+            out.top2_gaps[rid] = float(gaps[i])
+            if i in want:
+                out.logprobs[rid] = tuple(x[i] for x in sample_lps)
+            for j in range(offset, offset + item.num_new_tokens):
+                if prompt_targets[j] >= 0:
+                    entry = tuple(x[j] for x in prompt_lps)
+                    out.prompt_logprobs.setdefault(rid, {})[int(positions[j]) + 1] = entry
+            offset += item.num_new_tokens
+        return device_time
+
+    def _run_verify(self, group: list[ScheduledSeq], out: StepResult) -> float:
+        """One call over the speculative rows: each row's last token and its drafts are scored
+        and the drafts accepted or rejected on device (``verify_step``). The K/V of every
+        verified token is written; the rejected ones' slots are rolled back by the scheduler."""
+        shape = self.call_shape(group, False, verify=True)
+        batch, slots, sliding_slots, _, _, _ = self._pack(group, shape)
+        n, r, t, _ = shape
+        logits_index = np.zeros((r, t), np.int32)
+        draft_tokens = np.full((r, t - 1), -1, np.int32)
+        num_drafts = np.zeros(r, np.int32)
+        offset = 0
+        for i, item in enumerate(group):
+            d = len(item.draft_token_ids)
+            logits_index[i, : d + 1] = np.arange(offset, offset + d + 1)
+            draft_tokens[i, :d] = item.draft_token_ids
+            num_drafts[i] = d
+            offset += item.num_new_tokens
+        verify = VerifyInputs(logits_index, draft_tokens, num_drafts)
+        self.verify_shapes.add(shape)
+        t0 = time.perf_counter()
+        new_k, new_v, tokens, accepted, gaps = verify_step(
+            self.params,
+            self.pool,
+            batch,
+            verify,
+            cfg=self.cfg,
+            backend=self.backend,
+            plan=self.plan,
+        )
+        write = self._writes.get(n, self._write_kv)
+        self.pool = write(self.pool, new_k, new_v, slots, sliding_slots)
+        tokens, accepted, gaps = to_host(tokens), to_host(accepted), to_host(gaps)
+        device_time = time.perf_counter() - t0
+        for i, item in enumerate(group):
+            rid, a = item.seq.request_id, int(accepted[i])
+            out.accepted[rid] = [int(x) for x in tokens[i, :a]]
+            out.accepted_top2_gaps[rid] = [float(x) for x in gaps[i, :a]]
+            out.tokens[rid] = int(tokens[i, a])
+            out.top2_gaps[rid] = float(gaps[i, a])
+        return device_time
+
+    def _pack(
+        self, group: list[ScheduledSeq], shape: tuple[int, int, int, int]
+    ) -> tuple[
+        StepBatch, np.ndarray, np.ndarray | None, np.ndarray, np.ndarray, list[SamplingParams]
+    ]:
+        """The call's inputs for ``group`` at ``shape``: the batch, each packed token's KV slot
+        (and its slot in the sliding-window layers' blocks, for hybrid pools), position and next
+        prompt token (for prompt_logprobs), and each row's sampling params."""
+        n_rows = len(group)
         n, r, t, m = shape
         pad_slot = self.num_blocks * self.block_size  # out of range: the scatter drops it
 
@@ -510,7 +666,8 @@ class ModelExecutor:
             table = np.asarray(seq.block_ids, np.int32)
             pos = np.arange(start, start + k, dtype=np.int32)
             span = slice(offset, offset + k)
-            tokens[span] = seq.token_ids[start : start + k]
+            source = seq.token_ids + item.draft_token_ids
+            tokens[span] = source[start : start + k]
             positions[span] = pos
             slots[span] = table[pos // self.block_size] * self.block_size + pos % self.block_size
             token_row[span] = i
@@ -548,38 +705,7 @@ class ModelExecutor:
             prompt_targets,
             sliding_tables,
         )
-        with self._lock:
-            self.step_shapes.add(shape)
-            compiled = self._background.get(shape)
-            write = self._writes.get(n, self._write_kv)
-        t0 = time.perf_counter()
-        if compiled is not None:
-            new_k, new_v, sampled, gaps, lps = compiled(self.params, self.pool, batch)
-        else:
-            new_k, new_v, sampled, gaps, lps = model_step(
-                self.params, self.pool, batch, cfg=self.cfg, backend=self.backend, plan=self.plan
-            )
-        self.pool = write(self.pool, new_k, new_v, slots, sliding_slots)
-        sampled, gaps = to_host(sampled), to_host(gaps)
-        want = {i for i, p in enumerate(params) if p.logprobs is not None}
-        if want:
-            sample_lps = _raw(lps, "sample")
-        if (prompt_targets >= 0).any():
-            prompt_lps = _raw(lps, "prompt")
-        device_time = time.perf_counter() - t0
-        offset = 0
-        for i, item in enumerate(group):
-            rid = item.seq.request_id
-            out.tokens[rid] = int(sampled[i])
-            out.top2_gaps[rid] = float(gaps[i])
-            if i in want:
-                out.logprobs[rid] = tuple(x[i] for x in sample_lps)
-            for j in range(offset, offset + item.num_new_tokens):
-                if prompt_targets[j] >= 0:
-                    entry = tuple(x[j] for x in prompt_lps)
-                    out.prompt_logprobs.setdefault(rid, {})[int(positions[j]) + 1] = entry
-            offset += item.num_new_tokens
-        return device_time
+        return batch, slots, sliding_slots, positions, prompt_targets, params
 
     def poison_blocks(self, block_ids: list[int], value: float = float("nan")) -> None:
         """Fill blocks with ``value`` (isolation tests: freed memory must never be read)."""

@@ -37,6 +37,7 @@ def _sub_plan(plan: StepPlan, items: list[ScheduledSeq]) -> StepPlan:
     return StepPlan(
         decodes=[i for i in plan.decodes if id(i) in chosen],
         prefills=[i for i in plan.prefills if id(i) in chosen],
+        verifies=[i for i in plan.verifies if id(i) in chosen],
         block_copies=[(src, dst) for src, dst in plan.block_copies if dst in owned],
     )
 
@@ -65,6 +66,8 @@ def isolate_failure(
     gaps: dict[str, float] = {}
     logprobs: dict[str, Any] = {}
     prompt_logprobs: dict[str, Any] = {}
+    accepted: dict[str, list[int]] = {}
+    accepted_gaps: dict[str, list[float]] = {}
     duration = device_time = 0.0
     clean: list[ScheduledSeq] = []
     parts = [suspects] if suspects else []
@@ -84,12 +87,16 @@ def isolate_failure(
         gaps.update(result.top2_gaps)
         logprobs.update(result.logprobs)
         prompt_logprobs.update(result.prompt_logprobs)
+        accepted.update(result.accepted)
+        accepted_gaps.update(result.accepted_top2_gaps)
         duration += result.duration
         device_time += result.device_time
     committed = _sub_plan(plan, clean)
     committed.preempted, committed.block_copies = plan.preempted, plan.block_copies
     return (
         committed,
-        StepResult(tokens, gaps, duration, device_time, logprobs, prompt_logprobs),
+        StepResult(
+            tokens, gaps, duration, device_time, logprobs, prompt_logprobs, accepted, accepted_gaps
+        ),
         culprits,
     )

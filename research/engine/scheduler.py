@@ -5,6 +5,11 @@ waiting ones, under ``max_num_seqs`` and a token budget of ``max_num_batched_tok
 block pool cannot hold a running sequence's next tokens, the newest running sequence is
 preempted by recompute: its blocks are freed and it goes back to the head of the waiting queue.
 
+Speculative decoding: a caught-up running sequence with drafts (``seq.spec_token_ids``) is
+scheduled as a verify chunk of its last token and the drafts (as many as the budget leaves room
+for), if the pool holds their slots; else it decodes one token as usual. ``commit_verified``
+rolls back the rejected drafts' slots.
+
 ``static`` policy: a batch admits waiting sequences, prefills chunked under the token budget
 over as many steps as that takes, until it holds ``max_num_seqs``, the queue is empty or the
 pool is full; then it runs until its longest member finishes (the baseline continuous batching
@@ -28,25 +33,30 @@ class ScheduledSeq:
     seq: Sequence
     start: int
     num_new_tokens: int
+    # Speculative decoding: the drafts verified after the sequence's last token (the chunk is
+    # that token and these: num_new_tokens = 1 + len(draft_token_ids)).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True if this chunk reaches the sequence's last token, so its sample is kept."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+        return self.start + self.num_new_tokens - len(self.draft_token_ids) == self.seq.num_tokens
 
 
 @dataclass
 class StepPlan:
-    """What one step computes. Decodes are single-token rows; prefills are chunks."""
+    """What one step computes. Decodes are single-token rows; prefills are chunks; verifies are
+    a sequence's last token followed by its drafts (speculative decoding)."""
 
     decodes: list[ScheduledSeq] = field(default_factory=list)
     prefills: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    verifies: list[ScheduledSeq] = field(default_factory=list)
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:
-        return self.decodes + self.prefills
+        return self.decodes + self.prefills + self.verifies
 
     @property
     def num_batched_tokens(self) -> int:
@@ -54,7 +64,7 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills
+        return not self.decodes and not self.prefills and not self.verifies
 
 
 class Scheduler:
@@ -91,6 +101,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -109,6 +120,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = seq.num_uncomputed_tokens
+            drafts, seq.spec_token_ids = seq.spec_token_ids[: budget - 1], []
+            # A caught-up sequence with drafts verifies them (if the pool holds their slots;
+            # else it decodes one token as usual).
+            if num_new == 1 and drafts and self.block_manager.allocate_slots(seq, 1 + len(drafts)):
+                item = ScheduledSeq(seq, seq.num_computed_tokens, 1 + len(drafts), drafts)
+                self._add_to_plan(plan, item)
+                budget -= item.num_new_tokens
+                i += 1
+                continue
             if num_new > budget and not cfg.enable_chunked_prefill:
                 i += 1
                 continue
@@ -162,17 +182,33 @@ class Scheduler:
 
     @staticmethod
     def _add_to_plan(plan: StepPlan, item: ScheduledSeq) -> None:
-        (plan.decodes if item.num_new_tokens == 1 else plan.prefills).append(item)
+        if item.draft_token_ids:
+            plan.verifies.append(item)
+        else:
+            (plan.decodes if item.num_new_tokens == 1 else plan.prefills).append(item)
 
     def commit(self, plan: StepPlan) -> list[Sequence]:
         """Advance computed counts after the executor ran ``plan``; register full blocks.
+        Verified chunks are committed by ``commit_verified`` once their tokens are appended.
 
         Returns the sequences whose sample this step is a new token (the caller appends it)."""
         sampled = []
-        for item in plan.scheduled:
+        for item in plan.decodes + plan.prefills:
             seq = item.seq
             seq.num_computed_tokens = item.start + item.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
             if item.samples:
                 sampled.append(seq)
         return sampled
+
+    def commit_verified(self, item: ScheduledSeq, num_accepted: int) -> int:
+        """After the caller appended a verified chunk's accepted drafts and its sampled token:
+        the K/V of the last token and the accepted drafts are computed, the rejected drafts'
+        slots are rolled back (their blocks released where the rollback crosses a block
+        boundary; the next step overwrites the rest), and full blocks of accepted tokens are
+        registered in the prefix cache. Returns how many blocks were released."""
+        seq = item.seq
+        seq.num_computed_tokens = min(item.start + 1 + num_accepted, seq.num_tokens)
+        released = self.block_manager.trim(seq, seq.num_computed_tokens)
+        self.block_manager.cache_full_blocks(seq)
+        return released

@@ -51,6 +51,9 @@ class Sequence:
     # request recomputes them; the same position gets the same entry), and the decoded list.
     prompt_logprobs_raw: dict[int, Any] = field(default_factory=dict)
     prompt_logprobs: list[dict[int, Any] | None] | None = None
+    # Speculative decoding: draft tokens proposed for the next step (verified there, then
+    # cleared; never part of ``token_ids`` until accepted).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:

@@ -99,9 +99,13 @@ OPERATORS = ("dense_gemm", "expert_gemm", "attention", "lm_head", "elementwise")
 @dataclass(frozen=True)
 class StepShape:
     """What one step computes, independent of the engine: ``(num_new_tokens, context_before)``
-    per scheduled sequence (decodes are ``(1, context)``, a prefill chunk ``(n, start)``)."""
+    per scheduled sequence (decodes are ``(1, context)``, a prefill chunk ``(n, start)``).
+    ``extra_logits_rows``: logits rows beyond one per sequence (speculative decoding verifies
+    a row's last token and its d drafts as a chunk ``(1 + d, context)`` and scores all 1 + d
+    positions: d extra rows)."""
 
     seqs: tuple[tuple[int, int], ...]
+    extra_logits_rows: int = 0
 
     def __post_init__(self) -> None:
         seqs = tuple((int(n), int(c)) for n, c in self.seqs)
@@ -132,10 +136,13 @@ class StepShape:
 
 
 def step_shape_from_plan(plan: Any) -> StepShape:
-    """The ``StepShape`` of a scheduler ``StepPlan`` (duck-typed: ``plan.decodes`` and
-    ``plan.prefills`` are lists of items with ``.start`` and ``.num_new_tokens``)."""
-    items = list(plan.decodes) + list(plan.prefills)
-    return StepShape(tuple((s.num_new_tokens, s.start) for s in items))
+    """The ``StepShape`` of a scheduler ``StepPlan`` (duck-typed: ``plan.decodes``,
+    ``plan.prefills`` and ``plan.verifies`` are lists of items with ``.start`` and
+    ``.num_new_tokens``; verified items also have ``.draft_token_ids``)."""
+    verifies = list(getattr(plan, "verifies", []))
+    items = list(plan.decodes) + list(plan.prefills) + verifies
+    drafts = sum(len(s.draft_token_ids) for s in verifies)
+    return StepShape(tuple((s.num_new_tokens, s.start) for s in items), drafts)
 
 
 @dataclass(frozen=True)
@@ -341,7 +348,7 @@ class CostModel:
         return [
             StepWork(
                 tokens=shape.num_tokens,
-                logits_rows=shape.num_seqs,
+                logits_rows=shape.num_seqs + shape.extra_logits_rows,
                 seq_tokens=tuple(n for n, _ in shape.seqs),
                 kv_read_tokens=float(sum(pages) * bs),
                 kv_pages=float(sum(pages)),
@@ -486,6 +493,24 @@ class CostModel:
         prompt_len + output_len - 2 (the output_len - 1 decode steps after the prefill)."""
         contexts = range(prompt_len, prompt_len + max(output_len - 1, 1))
         return sum(self.step_time(StepShape(((1, c),))) for c in contexts) / len(contexts)
+
+    def speculative_decode_time_per_token(
+        self,
+        num_speculative_tokens: int,
+        acceptance_rate: float,
+        batch: int = 1,
+        context: int = 640,
+        proposer_s_per_seq: float = 0.0,
+    ) -> float:
+        """Seconds per generated token of ``batch`` sequences that each verify
+        ``num_speculative_tokens`` n-gram drafts per step, every draft accepted independently
+        with probability ``acceptance_rate`` until the first rejection (so a step emits
+        (1 - a^(k+1)) / (1 - a) tokens per sequence), the lookup costing
+        ``proposer_s_per_seq`` of host time per sequence."""
+        k, a = num_speculative_tokens, acceptance_rate
+        emitted = k + 1 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
+        shape = StepShape(((1 + k, context),) * batch, k * batch)
+        return (self.step_time(shape) + proposer_s_per_seq * batch) / (emitted * batch)
 
     def ttft(self, prompt_len: int = 128) -> float:
         """Single-stream TTFT: one prefill step of the whole prompt."""

@@ -12,6 +12,7 @@ a 70B model is simulated on a laptop. The KV pool is sized by vLLM's formula on 
 from __future__ import annotations
 
 import heapq
+import random
 import time
 from typing import Any
 
@@ -20,6 +21,23 @@ from research.parallel.replicas import Replica, Router
 from research.perf.cost_model import CostModel, StepShape, step_shape_from_plan
 
 SYNTHETIC_TOKEN = 0
+# Host seconds of one sequence's n-gram lookup per step (an assumption, not fitted: vLLM's
+# numba lookup over a few thousand tokens takes microseconds).
+NGRAM_LOOKUP_S = 20e-6
+
+
+class SyntheticProposer:
+    """Simulated speculative decoding: every caught-up sequence drafts its k tokens (synthetic
+    ones); ``SimulatedExecutor`` decides how many the target accepts."""
+
+    def __init__(self, num_speculative_tokens: int):
+        self.k = num_speculative_tokens
+
+    def propose_batch(self, requests: list[tuple[Any, int]]) -> dict[str, list[int]]:
+        return {seq.request_id: [SYNTHETIC_TOKEN] * min(self.k, room) for seq, room in requests}
+
+    def release(self, request_id: str) -> None:
+        """Nothing is kept per request."""
 
 
 class VirtualClock:
@@ -45,7 +63,23 @@ class SimulatedExecutor:
     """Same interface as ``ModelExecutor`` for the engine: ``execute``, ``poison_blocks``,
     ``num_compilations``."""
 
-    def __init__(self, cost_model: CostModel, clock: VirtualClock | None = None):
+    def __init__(
+        self,
+        cost_model: CostModel,
+        clock: VirtualClock | None = None,
+        acceptance_rate: float = 0.0,
+        proposer_s_per_seq: float = NGRAM_LOOKUP_S,
+        seed: int = 0,
+    ):
+        """Speculative rows (``plan.verifies``): each draft is accepted with probability
+        ``acceptance_rate``, independently, until the first rejection (the model behind
+        vLLM's and Leviathan et al.'s expected speedup); the step is priced as the target's
+        verification of every draft plus ``proposer_s_per_seq`` of lookup per row."""
+        if not 0.0 <= acceptance_rate <= 1.0:
+            raise ValueError(f"acceptance_rate must be in [0, 1], got {acceptance_rate}")
+        self.acceptance_rate = acceptance_rate
+        self.proposer_s_per_seq = proposer_s_per_seq
+        self._rng = random.Random(seed)
         self.cost_model = cost_model
         self.clock = clock or VirtualClock()
         self.num_compilations = 0  # nothing is compiled
@@ -57,14 +91,25 @@ class SimulatedExecutor:
     def execute(self, plan: Any) -> StepResult:
         t0 = time.perf_counter()
         shape = step_shape_from_plan(plan)
-        seconds = self.cost_model.step_time(shape)
+        verifies = getattr(plan, "verifies", [])
+        seconds = self.cost_model.step_time(shape) + self.proposer_s_per_seq * len(verifies)
         if self.step_log is not None:
             self.step_log.append((self.clock.now, seconds, shape))
         self.clock.advance(seconds)
         self.simulated_time += seconds
         tokens = {item.seq.request_id: SYNTHETIC_TOKEN for item in plan.scheduled}
         gaps = dict.fromkeys(tokens, float("inf"))
-        return StepResult(tokens, gaps, time.perf_counter() - t0, 0.0)
+        result = StepResult(tokens, gaps, time.perf_counter() - t0, 0.0)
+        for item in verifies:
+            accepted = 0
+            while (
+                accepted < len(item.draft_token_ids) and self._rng.random() < self.acceptance_rate
+            ):
+                accepted += 1
+            rid = item.seq.request_id
+            result.accepted[rid] = [SYNTHETIC_TOKEN] * accepted
+            result.accepted_top2_gaps[rid] = [float("inf")] * accepted
+        return result
 
     def poison_blocks(self, block_ids: list[int], value: float = float("nan")) -> None:
         del block_ids, value  # no memory to poison

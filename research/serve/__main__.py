@@ -9,6 +9,7 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /toke
 from __future__ import annotations
 
 import argparse
+import json
 
 from research.engine.compile_cache import DEFAULT_CACHE_DIR
 
@@ -32,6 +33,7 @@ def _llm(model: str, args: argparse.Namespace) -> object:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
+        speculative_config=args.speculative_config,
     )
 
 
@@ -70,6 +72,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default=None,
+        help='JSON, as vllm serve: \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
     parser.add_argument(
         "--kv-cache-memory-bytes", type=int, default=1 << 30, help="KV pool size on this host"
     )

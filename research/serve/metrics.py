@@ -36,6 +36,20 @@ def prometheus_text(engine_loop: EngineLoop, model_name: str) -> str:
         ("prompt_tokens_total", "Prompt tokens of admitted requests.", c.prompt_tokens),
         ("generation_tokens_total", "Tokens generated.", c.generation_tokens),
     ]
+    if "spec_num_drafts" in s:  # speculative decoding (vLLM's spec_decode counters)
+        counters += [
+            ("spec_decode_num_drafts_total", "Verified rows with drafts.", s["spec_num_drafts"]),
+            (
+                "spec_decode_num_draft_tokens_total",
+                "Draft tokens proposed.",
+                s["spec_num_draft_tokens"],
+            ),
+            (
+                "spec_decode_num_accepted_tokens_total",
+                "Draft tokens accepted.",
+                s["spec_num_accepted_tokens"],
+            ),
+        ]
     lines = []
     for kind, rows in (("gauge", gauges), ("counter", counters)):
         for name, help_text, value in rows:
