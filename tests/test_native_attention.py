@@ -128,7 +128,7 @@ def test_smollm2_greedy_native_equals_xla(smollm2_llm):
         tok.apply_chat_template([{"role": "user", "content": text}])
         for text in ("What is the capital of France?", "Name three prime numbers.")
     ]
-    sp = SamplingParams(max_tokens=24, temperature=0.0)
+    sp = SamplingParams(max_tokens=16, temperature=0.0)
     outs = {}
     for backend in ("xla", "native"):
         engine = Engine(

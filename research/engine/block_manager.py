@@ -287,19 +287,6 @@ class BlockManager:
         seq.num_cached_blocks = min(seq.num_cached_blocks, keep)
         return len(released)
 
-    def _release(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        block.ref_count -= 1
-        if block.ref_count < 0:
-            raise RuntimeError(f"block {block_id} freed more often than allocated")
-        if block.ref_count == 0:
-            if block.block_hash is not None:
-                self._evictable[block_id] = None
-            else:
-                self._free.append(block_id)
-                if self.freed_blocks is not None:
-                    self.freed_blocks.append(block_id)
-
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares all of ``parent``'s blocks (copy on write for the partial last one)."""
         if child.block_ids:

@@ -75,6 +75,20 @@ class StepBatch:
     sliding_block_tables: jax.Array | None = None
 
 
+def _paged_cache(pool: KVPool, batch: StepBatch, backend: str, plan: Any) -> PagedKVCache:
+    """The paged cache a step's forward reads and collects new K/V in."""
+    return PagedKVCache(
+        pool,
+        batch.block_tables,
+        batch.token_row,
+        batch.token_col,
+        batch.row_positions,
+        backend=backend,
+        plan=plan,
+        sliding_block_tables=batch.sliding_block_tables,
+    )
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "plan"))
 def model_step(
     params: Params,
@@ -91,16 +105,7 @@ def model_step(
     next prompt token ("prompt_*", [N] and [N, MAX_LOGPROBS]). Each log-probability branch runs
     only when a row (or packed token) of the call asks for it; otherwise it returns zeros."""
     STEP_TRACES[0] += 1  # runs only while tracing
-    cache = PagedKVCache(
-        pool,
-        batch.block_tables,
-        batch.token_row,
-        batch.token_col,
-        batch.row_positions,
-        backend=backend,
-        plan=plan,
-        sliding_block_tables=batch.sliding_block_tables,
-    )
+    cache = _paged_cache(pool, batch, backend, plan)
     hidden, cache = forward(params, cfg, batch.tokens[None], batch.positions[None], cache, backend)
     logits = compute_logits(params, cfg, hidden[0, batch.logits_index])  # [R, V]
     greedy_tokens, gaps = greedy(logits)
@@ -154,16 +159,7 @@ def verify_step(
     logit gap at every verified position [R, T]. A separate function from ``model_step``, so
     runs without speculation compile and run exactly what they did before."""
     VERIFY_TRACES[0] += 1  # runs only while tracing
-    cache = PagedKVCache(
-        pool,
-        batch.block_tables,
-        batch.token_row,
-        batch.token_col,
-        batch.row_positions,
-        backend=backend,
-        plan=plan,
-        sliding_block_tables=batch.sliding_block_tables,
-    )
+    cache = _paged_cache(pool, batch, backend, plan)
     hidden, cache = forward(params, cfg, batch.tokens[None], batch.positions[None], cache, backend)
     r, t = verify.logits_index.shape
     logits = compute_logits(params, cfg, hidden[0, verify.logits_index.reshape(-1)])  # [R*T, V]
