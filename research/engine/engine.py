@@ -115,7 +115,7 @@ class Engine:
         )
         self.proposer: Any = None
         spec = self.speculative_config
-        if spec is not None and "sliding_attention" in cfg.layer_types:
+        if spec is not None and cfg.sliding_layers:
             raise ValueError(
                 f"speculative_config: {cfg.name} has sliding-window layers, whose "
                 "blocks a rollback of rejected drafts does not restore; serve it without "

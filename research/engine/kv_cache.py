@@ -243,17 +243,6 @@ class PagedKVCache:
         # The native kernel reads a row's context once per query: decode-sized chunks only;
         # prefill chunks (T >= 16) keep the gather path, whose batched dots reuse each key.
         gather = self.backend == "xla" or (self.backend == "native" and t > NATIVE_MAX_T)
-        fresh = self.block_tables.shape[1] == 0  # a call of fresh prompts: no cached context
-        if fresh and window is None and sinks is None:
-            q, k_new_rows, v_new_rows = unpack(q[0]), unpack(k_new[0]), unpack(v_new[0])
-            if gather:  # the gather path's own formula over no cached keys
-                mask = _new_token_mask(self.row_positions)
-                kt, vt = k_new_rows.transpose(0, 2, 1, 3), v_new_rows.transpose(0, 2, 1, 3)
-                out = grouped_query_attention(q, kt, vt, mask, scale)
-            else:
-                out = _new_token_attention(q, k_new_rows, v_new_rows, self.row_positions, scale)
-                out = out[0].astype(q.dtype)
-            return self._pack(out, k_new, v_new)
         attend = _gather_attention if gather else _kernel_attention
         if window is not None or sinks is not None:
             attend = functools.partial(attend, window=window, sinks=sinks)
@@ -434,7 +423,10 @@ def _kernel_attention(
     r, t, h, e = q.shape
     start = jnp.maximum(positions[:, 0], 0)  # cached tokens per row (0 for padding rows)
     tables, lengths = jnp.repeat(block_tables, t, axis=0), jnp.repeat(start, t)
-    if backend == "native":
+    if block_tables.shape[1] == 0:  # a call of fresh prompts (M = 0): no cached context
+        ctx_out = jnp.zeros((r * t, h, e), jnp.float32)
+        ctx_lse = jnp.full((r * t, h), -jnp.inf, jnp.float32)
+    elif backend == "native":
         from research import native
 
         ctx_out, ctx_lse = native.paged_attention(
@@ -524,7 +516,7 @@ def _pallas_context(
 def native_supports(dtype: Any, kv_cache_dtype: str, cfg: ModelConfig | None = None) -> str | None:
     """Why the native CPU attention cannot serve a pool of ``dtype`` pages for ``cfg`` (None =
     it can)."""
-    if cfg is not None and (cfg.attention_sinks or "sliding_attention" in cfg.layer_types):
+    if cfg is not None and (cfg.attention_sinks or cfg.sliding_layers):
         return f"{cfg.name}'s sliding windows and attention sinks (the kernel has neither)"
     if kv_cache_dtype != "auto":
         return f"kv_cache_dtype={kv_cache_dtype!r} (native attention reads float32/bfloat16 pages)"
