@@ -327,6 +327,8 @@ class ExecutorConfig:
 
     kind: str = "real"
     attention_backend: str = "auto"  # auto | xla | native | pallas | pallas_interpret
+    # bf16 projections: auto | xla | native (AMX kernel, research.native.gemm)
+    gemm_backend: str = "auto"
     base_url: str | None = None  # http: e.g. http://127.0.0.1:8000 (without /v1)
     api_key: str | None = None  # http: sent as "Authorization: Bearer <api_key>"
     label: str | None = None  # http: names the server's line (e.g. llama-server, vllm)

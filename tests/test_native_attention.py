@@ -75,6 +75,57 @@ def test_kernel_matches_reference_and_never_reads_past_a_length(dtype, head_dim)
     assert np.all(np.asarray(out)[0] == 0) and np.all(np.isneginf(np.asarray(lse)[0]))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_packed_kernel_matches_reference_over_context_and_new_tokens(dtype, head_dim):
+    """Prefill chunks in one packed call: rows with and without cached context (whole pages, a
+    page + 1), chunks of 1, 16, 17 and 40 new tokens (several query blocks), an empty row and
+    padding tokens. Each token sees its row's context and the row's new tokens up to itself;
+    every page slot past a row's context is NaN."""
+    rng = np.random.default_rng(1)
+    kvh, h, blocks, p, m = 2, 6, 24, 8, 4
+    starts = np.array([0, 9, 16, 0, 3], np.int32)
+    counts = np.array([17, 1, 40, 0, 16], np.int32)
+    firsts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32)
+    n = int(counts.sum()) + 5  # padding tokens at the end
+    tables = rng.permutation(blocks)[: len(starts) * m].reshape(-1, m).astype(np.int32)
+    k_pages = np.full((kvh, blocks, p, head_dim), np.nan, np.float32)
+    v_pages = np.full((kvh, blocks, p, head_dim), np.nan, np.float32)
+    for i, start in enumerate(starts):
+        for t in range(start):
+            b, o = tables[i, t // p], t % p
+            k_pages[:, b, o] = rng.standard_normal((kvh, head_dim))
+            v_pages[:, b, o] = rng.standard_normal((kvh, head_dim))
+    q = rng.standard_normal((n, h, head_dim)).astype(np.float32)
+    k_new = rng.standard_normal((n, kvh, head_dim)).astype(np.float32)
+    v_new = rng.standard_normal((n, kvh, head_dim)).astype(np.float32)
+    if dtype == "bfloat16":
+        k_dev, v_dev = jnp.asarray(k_pages, jnp.bfloat16), jnp.asarray(v_pages, jnp.bfloat16)
+        k_pages = np.asarray(k_dev.astype(jnp.float32))
+        v_pages = np.asarray(v_dev.astype(jnp.float32))
+    else:
+        k_dev, v_dev = jnp.asarray(k_pages), jnp.asarray(v_pages)
+    scale = head_dim**-0.5
+    call = jax.jit(lambda *a: native.packed_attention(*a, scale))
+    out = np.asarray(call(q, k_new, v_new, k_dev, v_dev, tables, starts, firsts, counts))
+    ref = np.zeros((n, h, head_dim))
+    g = h // kvh
+    for i, (start, first, count) in enumerate(zip(starts, firsts, counts, strict=True)):
+        ctx = [(tables[i, t // p], t % p) for t in range(start)]
+        for t in range(count):
+            tok = first + t
+            for head in range(h):
+                kv = head // g
+                keys = [k_pages[kv, b, o] for b, o in ctx] + list(k_new[first : tok + 1, kv])
+                vals = [v_pages[kv, b, o] for b, o in ctx] + list(v_new[first : tok + 1, kv])
+                keys, vals = np.asarray(keys, np.float64), np.asarray(vals, np.float64)
+                s = keys @ q[tok, head].astype(np.float64) * scale
+                w = np.exp(s - s.max())
+                ref[tok, head] = w @ vals / w.sum()
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    assert np.all(out[int(counts.sum()) :] == 0)
+
+
 def test_auto_resolves_to_native_on_cpu_only_where_it_serves():
     assert resolve_attention_backend("auto", jnp.float32, "auto") == "native"
     assert resolve_attention_backend("auto", jnp.bfloat16, "auto") == "native"

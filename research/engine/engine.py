@@ -56,6 +56,7 @@ class Engine:
         dtype: Any = None,
         attention_backend: str = "auto",
         kv_cache_dtype: str = "auto",
+        gemm_backend: str = "auto",
         seed: int = 0,
         poison_freed_blocks: bool = False,
         clock: Callable[[], float] = time.perf_counter,
@@ -112,6 +113,7 @@ class Engine:
             kv_cache_dtype=kv_cache_dtype,
             kv_fill_value=float("nan") if poison_freed_blocks else 0.0,
             plan=plan,
+            gemm_backend=gemm_backend,
         )
         self.proposer: Any = None
         spec = self.speculative_config

@@ -46,6 +46,7 @@ from research.engine.request import MAX_LOGPROBS, Logprob, SamplingParams
 from research.engine.sampler import SamplingTensors, greedy, sample, token_logprobs
 from research.engine.scheduler import ScheduledSeq, StepPlan
 from research.models.transformer import Params, compute_logits, forward
+from research.native import gemm as native_gemm
 
 logger = logging.getLogger(__name__)
 
@@ -317,14 +318,21 @@ class ModelExecutor:
         kv_cache_dtype: str = "auto",
         kv_fill_value: float = 0.0,
         plan: Any = None,
+        gemm_backend: str = "auto",
     ):
         """``plan``: a ``research.parallel.ShardingPlan`` to split the parameters and the KV pool
-        over its devices (tensor / expert parallel); None runs on one device."""
+        over its devices (tensor / expert parallel); None runs on one device. ``gemm_backend``:
+        "native" packs the bfloat16 projections for the AMX kernel (``research.native.gemm``),
+        "xla" leaves them to XLA, "auto" picks native where it serves."""
+        sharded = plan is not None and plan.size > 1
+        self.gemm_backend = native_gemm.resolve(gemm_backend, dtype, sharded)
+        if self.gemm_backend == "native":
+            params = native_gemm.pack_params(params, cfg.tie_word_embeddings)
         attention_backend = resolve_attention_backend(
             attention_backend,
             dtype,
             kv_cache_dtype,
-            sharded=plan is not None and plan.size > 1,
+            sharded=sharded,
             cfg=cfg,
         )
         self.cfg = cfg

@@ -204,7 +204,9 @@ class PagedKVCache:
     "pallas_interpret" read the cached context with the Pallas paged-attention kernel (one
     query per token, the row's cached length as its length) and merge it with attention over
     the call's new tokens by their log-sum-exps; "native" does the same with the C++ CPU kernel
-    for calls of at most ``NATIVE_MAX_T`` tokens per row (decodes) and gathers for prefills.
+    for calls of at most ``NATIVE_MAX_T`` tokens per row (decodes, verification) and runs
+    prefill chunks through its packed kernel (context and new tokens in one causal pass over the
+    packed tokens, no [R, T] grid).
     """
 
     pool: KVPool
@@ -240,21 +242,28 @@ class PagedKVCache:
             grid = jnp.zeros((r, t, *x.shape[1:]), x.dtype)
             return grid.at[self.token_row, self.token_col].set(x, mode="drop")
 
-        # The native kernel reads a row's context once per query: decode-sized chunks only;
-        # prefill chunks (T >= 16) keep the gather path, whose batched dots reuse each key.
+        tables = self.block_tables
+        if self.pool.is_sliding(layer):
+            tables = self.sliding_block_tables
+        sharded = self.plan is not None and self.plan.size > 1
+        packed = window is None and sinks is None and not sharded
+        if self.backend == "native" and t > NATIVE_MAX_T and packed:
+            # prefill chunks: one packed pass over context and new tokens, no [R, T] grid
+            out = self._packed_attention(layer, q[0], k_new[0], v_new[0], tables, scale)
+            return out.astype(q.dtype)[None], dataclasses.replace(
+                self, new_k=[*self.new_k, k_new[0]], new_v=[*self.new_v, v_new[0]]
+            )
+        # The decode kernels read a row's context once per query: decode-sized chunks only.
         gather = self.backend == "xla" or (self.backend == "native" and t > NATIVE_MAX_T)
         attend = _gather_attention if gather else _kernel_attention
         if window is not None or sinks is not None:
             attend = functools.partial(attend, window=window, sinks=sinks)
-        if self.plan is not None and self.plan.size > 1:
+        if sharded:
             if sinks is not None:
                 raise ValueError("tensor parallelism does not split attention sinks (gpt-oss)")
             from research.parallel.ops import sharded_attention
 
             attend = functools.partial(sharded_attention, self.plan, attend)
-        tables = self.block_tables
-        if self.pool.is_sliding(layer):
-            tables = self.sliding_block_tables
         out = attend(
             unpack(q[0]),
             unpack(k_new[0]),
@@ -267,6 +276,38 @@ class PagedKVCache:
             self.backend,
         )
         return self._pack(out, k_new, v_new)
+
+    def _packed_attention(
+        self,
+        layer: int,
+        q: jax.Array,
+        k_new: jax.Array,
+        v_new: jax.Array,
+        tables: jax.Array,
+        scale: float,
+    ) -> jax.Array:
+        """Prefill chunks through the native packed kernel: q [N, H, E], k_new/v_new [N, K, E]
+        -> [N, H, E] float32. Each row's tokens are contiguous in the call (``_pack``)."""
+        from research import native
+
+        r = self.row_positions.shape[0]
+        n = q.shape[0]
+        counts = jax.ops.segment_sum(jnp.ones(n, jnp.int32), self.token_row, num_segments=r)
+        first = jax.ops.segment_min(jnp.arange(n, dtype=jnp.int32), self.token_row, r)
+        start = jnp.maximum(self.row_positions[:, 0], 0)
+        slot = self.pool.slot(layer)
+        return native.packed_attention(
+            q,
+            k_new,
+            v_new,
+            self.pool.k[slot],
+            self.pool.v[slot],
+            tables,
+            start,
+            jnp.where(counts > 0, first, 0),
+            counts,
+            scale,
+        )
 
     def _pack(
         self, out: jax.Array, k_new: jax.Array, v_new: jax.Array

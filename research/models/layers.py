@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from research.config import ModelConfig, RopeScaling
+from research.native.gemm import PackedWeight
+from research.native.gemm import matmul as packed_matmul
 from research.quant import QTensor, dequantize
 
 # Where kernels run: "xla" = pure jnp reference, "native" = the C++ paged-attention kernel on CPU
@@ -115,6 +117,8 @@ def matmul(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
     float32 result: on XLA:CPU that is the fast path (AMX / AVX512-BF16 where the CPU has them;
     a bf16-output dot measured 2-3x slower at 4-64 rows), and a single row is padded to two,
     because the bf16 matrix-vector path is ~20x slower than the two-row matrix product."""
+    if isinstance(w, PackedWeight):  # bf16 through the AMX kernel (``research.native.gemm``)
+        return packed_matmul(x, w)
     contract = 1 if transposed else 0
     if x.dtype == jnp.float32 and w.dtype == jnp.float32:
         return jax.lax.dot_general(x, w, (((x.ndim - 1,), (contract,)), ((), ())))

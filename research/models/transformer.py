@@ -224,7 +224,8 @@ def forward(
 
 
 def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
-    """hidden [..., D] -> float32 logits [..., V] (tied embeddings reuse the embedding matrix)."""
-    if cfg.tie_word_embeddings:
+    """hidden [..., D] -> float32 logits [..., V] (tied embeddings reuse the embedding matrix,
+    unless the params carry a packed copy as ``lm_head``, see ``research.native.gemm``)."""
+    if cfg.tie_word_embeddings and "lm_head" not in params:
         return matmul(hidden, params["embed"], transposed=True)
     return matmul(hidden, params["lm_head"])

@@ -27,8 +27,12 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention.cc")
+_HERE = Path(__file__).parent
+_SOURCES = [_HERE / "paged_attention.cc", _HERE / "gemm.cc"]
+_HEADERS = [_HERE / "parallel.h"]
 _TARGET = "research_paged_attention"
+_GEMM_TARGET = "research_gemm_bf16"
+_PACKED_TARGET = "research_packed_attention"
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
@@ -49,10 +53,21 @@ def _build() -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         raise RuntimeError("no C++ compiler found (set CXX or install g++)")
-    flags = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w"]
+    flags = [
+        "-O3",
+        "-march=native",
+        "-mprefer-vector-width=512",
+        "-fopenmp-simd",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-w",
+    ]
+    flags += ["-mamx-tile", "-mamx-bf16"] if platform.machine() in ("x86_64", "AMD64") else []
+    texts = [p.read_text() for p in (*_SOURCES, *_HEADERS)]
     key = hashlib.sha256(
         "\n".join(
-            [_SOURCE.read_text(), jaxlib.__version__, compiler, " ".join(flags), _cpu_signature()]
+            [*texts, jaxlib.__version__, compiler, " ".join(flags), _cpu_signature()]
         ).encode()
     ).hexdigest()[:16]
     cache = Path(
@@ -64,7 +79,8 @@ def _build() -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         out = Path(tmp) / lib.name
-        cmd = [compiler, *flags, "-I", jax.ffi.include_dir(), "-o", str(out), str(_SOURCE)]
+        cmd = [compiler, *flags, "-I", jax.ffi.include_dir(), "-o", str(out)]
+        cmd += [str(p) for p in _SOURCES]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
@@ -82,6 +98,12 @@ def _load() -> bool:
             lib = ctypes.cdll.LoadLibrary(str(_build()))
             jax.ffi.register_ffi_target(
                 _TARGET, jax.ffi.pycapsule(lib.PagedAttention), platform="cpu"
+            )
+            jax.ffi.register_ffi_target(
+                _PACKED_TARGET, jax.ffi.pycapsule(lib.PackedAttention), platform="cpu"
+            )
+            jax.ffi.register_ffi_target(
+                _GEMM_TARGET, jax.ffi.pycapsule(lib.GemmBf16), platform="cpu"
             )
             _state["ok"], _state["lib"] = True, lib
         except Exception as exc:  # no compiler, headers or loader: the XLA path serves instead
@@ -133,4 +155,46 @@ def paged_attention(
     )
 
 
-__all__ = ["available", "build_error", "paged_attention"]
+def packed_attention(
+    q: Any,
+    k_new: Any,
+    v_new: Any,
+    k_pages: Any,
+    v_pages: Any,
+    block_tables: Any,
+    row_start: Any,
+    row_first: Any,
+    row_count: Any,
+    scale: float,
+) -> Any:
+    """Causal attention of a call's packed tokens over their rows' cached context and the rows'
+    own new tokens, in one pass (prefill chunks; ``paged_attention.cc``).
+
+    q [N, H, E], k_new / v_new [N, K, E] (any float dtype; computed in float32), k_pages /
+    v_pages [K, B, P, E] float32 or bfloat16, block_tables [R, M] int32, row_start [R] (cached
+    tokens per row), row_first [R] (packed index of each row's first token; a row's tokens are
+    contiguous), row_count [R] (0: an empty row) -> out [N, H, E] float32, 0 for tokens of no
+    row."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    if not _load():
+        raise RuntimeError(f"native packed attention unavailable: {build_error()}")
+    f32, i32 = jnp.float32, jnp.int32
+    call = jax.ffi.ffi_call(_PACKED_TARGET, jax.ShapeDtypeStruct(q.shape, f32))
+    return call(
+        q.astype(f32),
+        k_new.astype(f32),
+        v_new.astype(f32),
+        k_pages,
+        v_pages,
+        block_tables.astype(i32),
+        row_start.astype(i32),
+        row_first.astype(i32),
+        row_count.astype(i32),
+        scale=np.float32(scale),
+    )
+
+
+__all__ = ["available", "build_error", "packed_attention", "paged_attention"]

@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -207,28 +208,282 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
       one(s, qp, kp, vp, bf16, tables, lens, scale, u / s.kvh, u % s.kvh, o, l, work);
     }
   };
-  const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads(), units - 1));
-  if (helpers == 0) {
-    run(0, units);
-    return ffi::Error::Success();
+  research_native::parallel_for(pool, units, 4, run);
+  return ffi::Error::Success();
+}
+
+
+// ---- Packed attention for calls with many tokens per row (prefill chunks) ----------------
+//
+// Every packed token attends to its row's cached context (pages through the block table, the
+// first `start` positions) and to the row's new tokens up to itself (causal), in one flash-style
+// pass: keys 16 at a time, scores for 16 keys per query as one vector, a running maximum and
+// sum per query, float32 throughout. Queries go in blocks of kQueryBlock tokens x G heads of one
+// kv head, so each key chunk loaded (and converted) once serves all of them.
+//
+//   q            [N, H, E]    float32, packed tokens (each row's tokens contiguous)
+//   k/v new      [N, K, E]    float32, the call's own keys and values
+//   k/v pages    [K, B, P, E] float32, or bfloat16 stored as uint16 bits
+//   block_tables [R, M] int32; row_start [R] (cached tokens), row_first [R] (packed index of
+//   the row's first token), row_count [R] (its new tokens; 0: an empty row)
+//   -> out [N, H, E] float32 (0 for tokens of no row)
+
+constexpr int64_t kQueryBlock = 16;
+typedef float v16 __attribute__((vector_size(64)));  // 16 float32 lanes (GCC/Clang vectors)
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  // the same, unaligned
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+// exp_nonpositive on 16 lanes at once (the same polynomial and exponent trick).
+inline v16 exp_nonpositive16(v16 x) {
+  const v16 clamped = x < -87.0f ? v16{} - 87.0f : x;
+  const v16 t = clamped * 1.44269504088896341f + 0.5f;
+  v16i ni = __builtin_convertvector(t, v16i);  // truncates toward zero: fix up to floor
+  ni += (__builtin_convertvector(ni, v16) > t);  // a true lane is -1
+  const v16 n = __builtin_convertvector(ni, v16);
+  const v16 r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+  const v16 z = r * r;
+  v16 y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  const v16 scale = reinterpret_cast<v16>((ni + 127) << 23);
+  return x < -87.0f ? v16{} : y * scale;
+}
+constexpr int64_t kChunk = 16;  // keys per chunk (one float32 vector of scores per query)
+
+struct PackedShapes {
+  int64_t n, h, e, kvh, blocks, p, m, g, r;
+};
+
+// Adds keys kbuf/vbuf [count <= kChunk, E] to the running softmax of `nq` queries qs [nq, E];
+// query i sees key c when c < visible[i].
+template <int HEAD_DIM>
+void attend_chunk(const float* qs, int64_t nq, int64_t e_dyn, const float* kbuf,
+                  const float* vbuf, int64_t count, const int64_t* visible, float* acc, float* mx,
+                  float* sum, v16* scores) {
+  const int64_t e = HEAD_DIM > 0 ? HEAD_DIM : e_dyn;
+  alignas(64) float kt[256 * kChunk];  // [E, kChunk]: keys transposed, zero past count
+  const v16* kt_vec = reinterpret_cast<const v16*>(kt);
+  const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t i = 0; i < e; ++i) {
+#pragma omp simd
+    for (int64_t c = 0; c < kChunk; ++c) kt[i * kChunk + c] = c < count ? kbuf[c * e + i] : 0.0f;
   }
-  // Chunks claimed from a shared counter by this thread and the pool's: this thread never
-  // waits on a chunk nobody has claimed, and a task that starts late finds none left (the state
-  // it touches is shared, so it outlives this call).
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
+  // Scores: 16 keys per vector register, four queries at a time (independent FMA chains that
+  // share each key load).
+  int64_t qi = 0;
+  for (; qi + 4 <= nq; qi += 4) {
+    const float* q0 = qs + qi * e;
+    v16 d0 = {}, d1 = {}, d2 = {}, d3 = {};
+    for (int64_t i = 0; i < e; ++i) {
+      const v16 k = kt_vec[i];
+      d0 += q0[i] * k;
+      d1 += q0[e + i] * k;
+      d2 += q0[2 * e + i] * k;
+      d3 += q0[3 * e + i] * k;
+    }
+    scores[qi] = d0;
+    scores[qi + 1] = d1;
+    scores[qi + 2] = d2;
+    scores[qi + 3] = d3;
+  }
+  for (; qi < nq; ++qi) {
+    v16 d = {};
+    for (int64_t i = 0; i < e; ++i) d += qs[qi * e + i] * kt_vec[i];
+    scores[qi] = d;
+  }
+  // The running softmax of each query; scores become the chunk's weights (0 where masked).
+  for (qi = 0; qi < nq; ++qi) {
+    const int64_t vis = std::min<int64_t>(visible[qi], count);
+    if (vis <= 0) {
+      scores[qi] = v16{};
+      continue;
+    }
+    const v16 dot = lane < static_cast<int32_t>(vis) ? scores[qi] : v16{} - INFINITY;
+    float chunk_max = dot[0];
+    for (int c = 1; c < kChunk; ++c) chunk_max = std::max(chunk_max, dot[c]);
+    const float new_max = std::max(mx[qi], chunk_max);
+    const float correction = std::isinf(mx[qi]) ? 0.0f : exp_nonpositive(mx[qi] - new_max);
+    mx[qi] = new_max;
+    const v16 p = exp_nonpositive16(dot - new_max);
+    scores[qi] = p;
+    float total = 0.0f;
+    for (int c = 0; c < kChunk; ++c) total += p[c];
+    sum[qi] = sum[qi] * correction + total;
+    if (correction != 1.0f) {
+      float* a = acc + qi * e;
+#pragma omp simd
+      for (int64_t i = 0; i < e; ++i) a[i] *= correction;
+    }
+  }
+  // Weighted values, two queries at a time with their accumulators in registers.
+  const int64_t keys = std::min<int64_t>(count, kChunk);
+  if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
+    constexpr int kVecs = HEAD_DIM / 16;
+    for (qi = 0; qi < nq; qi += 2) {
+      const bool two = qi + 1 < nq;
+      float* a0 = acc + qi * e;
+      float* a1 = two ? a0 + e : a0;
+      const float* p0 = reinterpret_cast<const float*>(&scores[qi]);
+      const float* p1 = two ? p0 + kChunk : p0;
+      v16 x0[kVecs], x1[kVecs];
+      for (int j = 0; j < kVecs; ++j) {
+        x0[j] = reinterpret_cast<const v16u*>(a0)[j];
+        x1[j] = two ? reinterpret_cast<const v16u*>(a1)[j] : v16{};
+      }
+      for (int64_t c = 0; c < keys; ++c) {
+        const v16u* vt = reinterpret_cast<const v16u*>(vbuf + c * e);
+        const float w0 = p0[c], w1 = two ? p1[c] : 0.0f;
+        for (int j = 0; j < kVecs; ++j) {
+          x0[j] += w0 * vt[j];
+          x1[j] += w1 * vt[j];
+        }
+      }
+      for (int j = 0; j < kVecs; ++j) {
+        reinterpret_cast<v16u*>(a0)[j] = x0[j];
+        if (two) reinterpret_cast<v16u*>(a1)[j] = x1[j];
+      }
+    }
+  } else {
+    for (qi = 0; qi < nq; ++qi) {
+      const float* pw = reinterpret_cast<const float*>(&scores[qi]);
+      float* a = acc + qi * e;
+      for (int64_t c = 0; c < keys; ++c) {
+        const float w = pw[c];
+        const float* vt = vbuf + c * e;
+#pragma omp simd
+        for (int64_t i = 0; i < e; ++i) a[i] += w * vt[i];
+      }
+    }
+  }
+}
+
+// One unit: row `row`, kv head `k`, the row's new tokens [t0, t1).
+template <int HEAD_DIM>
+void attend_block(const PackedShapes& s, const float* q, const float* k_new, const float* v_new,
+                  const void* kp, const void* vp, bool bf16, const int32_t* tables,
+                  int64_t start, int64_t first, int64_t row, int64_t k, int64_t t0, int64_t t1,
+                  float scale, float* out, std::vector<float>& work) {
+  const int64_t g = s.g, e = s.e, p = s.p, nq = (t1 - t0) * g;
+  work.resize(2 * nq * e + 2 * nq + 2 * kChunk * e + 2 * p * e);
+  float* qs = work.data();          // [nq, E], query i = token (t0 + i / G), head k G + i % G
+  float* acc = qs + nq * e;         // [nq, E]
+  float* mx = acc + nq * e;         // [nq]
+  float* sum = mx + nq;             // [nq]
+  float* kbuf = sum + nq;           // [kChunk or P, E]
+  float* vbuf = kbuf + std::max(kChunk, p) * e;
+  std::vector<int64_t> visible(nq);
+  std::vector<v16> scores(nq);
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* qt = q + ((first + t) * s.h + k * g) * e;
+    for (int64_t i = 0; i < g * e; ++i) qs[(t - t0) * g * e + i] = qt[i] * scale;
+  }
+  std::fill(acc, acc + nq * e, 0.0f);
+  std::fill(mx, mx + nq, -std::numeric_limits<float>::infinity());
+  std::fill(sum, sum + nq, 0.0f);
+  // The cached context: every query sees all of it.
+  std::fill(visible.begin(), visible.end(), kChunk);
+  const int64_t pages = std::min<int64_t>((start + p - 1) / p, s.m);
+  for (int64_t j = 0; j < pages; ++j) {
+    const int64_t block = tables[row * s.m + j];
+    if (block < 0 || block >= s.blocks) continue;  // never read outside the pool
+    const int64_t count = std::min(p, start - j * p);
+    const int64_t base = ((k * s.blocks + block) * p) * e;
+    load(kp, bf16, base, count * e, kbuf);
+    load(vp, bf16, base, count * e, vbuf);
+    for (int64_t c0 = 0; c0 < count; c0 += kChunk) {
+      attend_chunk<HEAD_DIM>(qs, nq, e, kbuf + c0 * e, vbuf + c0 * e, std::min(kChunk, count - c0),
+                   visible.data(), acc, mx, sum, scores.data());
+    }
+  }
+  // The row's new tokens up to each query's own (causal).
+  for (int64_t c0 = 0; c0 < t1; c0 += kChunk) {
+    const int64_t count = std::min(kChunk, t1 - c0);
+    for (int64_t c = 0; c < count; ++c) {
+      const int64_t src = ((first + c0 + c) * s.kvh + k) * e;
+      std::memcpy(kbuf + c * e, k_new + src, e * sizeof(float));
+      std::memcpy(vbuf + c * e, v_new + src, e * sizeof(float));
+    }
+    for (int64_t i = 0; i < nq; ++i) visible[i] = t0 + i / g - c0 + 1;
+    attend_chunk<HEAD_DIM>(qs, nq, e, kbuf, vbuf, count, visible.data(), acc, mx, sum,
+                           scores.data());
+  }
+  for (int64_t i = 0; i < nq; ++i) {
+    float* o = out + ((first + t0 + i / g) * s.h + k * g + i % g) * e;
+    const float inv = sum[i] > 0.0f ? 1.0f / sum[i] : 0.0f;
+    for (int64_t d = 0; d < e; ++d) o[d] = acc[i * e + d] * inv;
+  }
+}
+
+ffi::Error PackedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                               ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                               ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> row_start,
+                               ffi::Buffer<ffi::S32> row_first, ffi::Buffer<ffi::S32> row_count,
+                               float scale, ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions();
+  auto nd = k_new.dimensions();
+  auto kd = k_pages.dimensions();
+  auto td = block_tables.dimensions();
+  const int64_t r = td.size() == 2 ? td[0] : -1;
+  if (qd.size() != 3 || nd.size() != 3 || kd.size() != 4 || td.size() != 2 || nd[0] != qd[0] ||
+      nd[1] != kd[0] || nd[2] != qd[2] || v_new.dimensions().size() != 3 ||
+      v_new.dimensions()[0] != nd[0] || v_new.dimensions()[1] != nd[1] ||
+      v_new.dimensions()[2] != nd[2] || kd[3] != qd[2] ||
+      qd[1] % kd[0] != 0 || qd[2] > 256 || row_start.dimensions().size() != 1 ||
+      row_start.dimensions()[0] != r || row_first.dimensions()[0] != r ||
+      row_count.dimensions()[0] != r) {
+    return ffi::Error::InvalidArgument("packed_attention: inconsistent shapes");
+  }
+  bool bf16 = false, v_bf16 = false;
+  if (!page_format(k_pages.element_type(), &bf16) ||
+      !page_format(v_pages.element_type(), &v_bf16) || bf16 != v_bf16) {
+    return ffi::Error::InvalidArgument("packed_attention: pages must be float32 or bfloat16");
+  }
+  PackedShapes s{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1], qd[1] / kd[0], r};
+  const int32_t* starts = row_start.typed_data();
+  const int32_t* firsts = row_first.typed_data();
+  const int32_t* counts = row_count.typed_data();
+  for (int64_t i = 0; i < r; ++i) {
+    if (counts[i] > 0 && (firsts[i] < 0 || firsts[i] + counts[i] > s.n || starts[i] < 0)) {
+      return ffi::Error::InvalidArgument("packed_attention: a row's tokens fall outside the call");
+    }
+  }
+  float* o = out->typed_data();
+  std::fill(o, o + s.n * s.h * s.e, 0.0f);
+  // Units (row, kv head, query block), the longest rows' last blocks (the most keys) first.
+  struct Unit {
+    int64_t row, k, t0;
   };
-  auto state = std::make_shared<State>();
-  const int64_t chunks = std::min<int64_t>(units, 4 * (helpers + 1));
-  auto worker = [state, run, chunks, units] {
-    for (int64_t c; (c = state->next.fetch_add(1)) < chunks;) {
-      run(units * c / chunks, units * (c + 1) / chunks);
-      state->done.fetch_add(1, std::memory_order_release);
+  std::vector<Unit> units;
+  for (int64_t i = 0; i < r; ++i) {
+    for (int64_t t0 = 0; t0 < counts[i]; t0 += kQueryBlock) {
+      for (int64_t k = 0; k < s.kvh; ++k) units.push_back({i, k, t0});
+    }
+  }
+  std::sort(units.begin(), units.end(), [&](const Unit& a, const Unit& b) {
+    return starts[a.row] + a.t0 > starts[b.row] + b.t0;
+  });
+  auto shared = std::make_shared<std::vector<Unit>>(std::move(units));
+  const float* qp = q.typed_data();
+  const float* knp = k_new.typed_data();
+  const float* vnp = v_new.typed_data();
+  const void* kp = k_pages.untyped_data();
+  const void* vp = v_pages.untyped_data();
+  const int32_t* tables = block_tables.typed_data();
+  auto block = s.e == 64 ? attend_block<64> : s.e == 128 ? attend_block<128> : attend_block<0>;
+  auto run = [=](int64_t begin, int64_t end) {
+    std::vector<float> work;
+    for (int64_t u = begin; u < end; ++u) {
+      const Unit& w = (*shared)[u];
+      const int64_t t1 = std::min<int64_t>(counts[w.row], w.t0 + kQueryBlock);
+      block(s, qp, knp, vnp, kp, vp, bf16, tables, starts[w.row], firsts[w.row], w.row,
+                   w.k, w.t0, t1, scale, o, work);
     }
   };
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(worker)(worker));
-  worker();
-  while (state->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+  research_native::parallel_for(pool, static_cast<int64_t>(shared->size()), 8, run);
   return ffi::Error::Success();
 }
 
@@ -244,4 +499,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedAttention, PackedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
                                   .Ret<ffi::Buffer<ffi::F32>>());
