@@ -69,6 +69,7 @@ class EngineBackend:
                 quantization=q.quantization,
                 kv_cache_dtype=q.kv_cache_dtype,
                 attention_backend=run.executor.attention_backend,
+                gemm_backend=run.executor.gemm_backend,
                 max_num_seqs=s.max_num_seqs,
                 max_num_batched_tokens=s.max_num_batched_tokens,
                 scheduling_policy=s.scheduling_policy,
@@ -86,6 +87,7 @@ class EngineBackend:
         self.attention_backend = getattr(
             self.engine.executor, "backend", run.executor.attention_backend
         )
+        self.gemm_backend = getattr(self.engine.executor, "gemm_backend", "xla")
         if self.simulated and run.hardware.num_replicas > 1:
             from research.perf.simulated import ReplicaRouter
 
@@ -321,6 +323,7 @@ class ReplicasBackend(HTTPBackend):
             "--max-num-batched-tokens", str(s.max_num_batched_tokens),
             "--block-size", str(c.block_size), "--kv-cache-dtype", q.kv_cache_dtype,
             "--attention-backend", run.executor.attention_backend,
+            "--gemm-backend", run.executor.gemm_backend,
             "--kv-cache-memory-bytes", str(c.kv_cache_memory_bytes), "--seed", str(m.seed),
         ]  # fmt: skip
         if m.max_model_len:

@@ -36,6 +36,7 @@ FACTORS = (
     "hardware",
     "executor",
     "attention_backend",
+    "gemm_backend",
     "scheduling_policy",
     "block_size",
     "max_num_seqs",

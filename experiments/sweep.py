@@ -110,6 +110,7 @@ def run_point(
         "hardware": run.hardware.name,
         "executor": run.executor.kind,
         "attention_backend": getattr(backend, "attention_backend", run.executor.attention_backend),
+        "gemm_backend": getattr(backend, "gemm_backend", run.executor.gemm_backend),
         "scheduling_policy": run.scheduler.scheduling_policy,
         "block_size": run.cache.block_size,
         "max_num_seqs": run.scheduler.max_num_seqs,

@@ -13,6 +13,7 @@ def test_peaks_are_measured_once_and_cached(tmp_path, monkeypatch):
     cache = tmp_path / "peaks.json"
     first = hp.host_peaks(cache)
     assert first["flops"] > 1e9 and first["bandwidth"] > 1e8  # any CPU does this much
+    assert first["bf16_flops"] > 1e9
     assert first["bandwidth"] == max(first["copy_bandwidth"], first["read_bandwidth"])
     assert json.loads(cache.read_text())[first["machine"]] == first
 

@@ -1,8 +1,9 @@
 """Peaks of the machine at hand, measured once and cached, for the roofline columns of results.
 
-Microbenchmarks with JAX on this machine's CPU: a large float32 GEMM (FLOP/s), and over a
-256 MiB array a stream copy (bytes read plus written per second) and a read-only sum; the
-bandwidth peak is the larger of the two. They are the ceilings our engine's steps are
+Microbenchmarks with JAX on this machine's CPU: a large float32 GEMM (FLOP/s), a large bfloat16
+GEMM (the faster of XLA's dot and the AMX kernel of ``research.native.gemm``, the peak of bf16
+runs), and over a 256 MiB array a stream copy (bytes read plus written per second) and a
+read-only sum; the bandwidth peak is the larger of the two. They are the ceilings our engine's steps are
 measured against; no vendor figure exists for an arbitrary host. Results are cached in
 ``~/.cache/research/host_peaks.json`` per machine (CPU model and core count), so a sweep pays
 for them once.
@@ -41,8 +42,28 @@ def _median_seconds(fn: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _bf16_gemm_seconds(a: Any, b: Any, repeats: int) -> float:
+    """The faster bfloat16 product of a @ b: XLA's dot (float32 accumulation) or, where the CPU
+    has AMX, the native kernel on the packed weight."""
+    import jax
+    import jax.numpy as jnp
+
+    from research.native import gemm
+
+    a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    dims = (((1,), (0,)), ((), ()))
+    dot = jax.jit(lambda x, y: jax.lax.dot_general(x, y, dims, preferred_element_type=jnp.float32))
+    best = _median_seconds(lambda: dot(a, b).block_until_ready(), repeats)
+    if gemm.available():
+        packed = gemm.pack(b)
+        amx = jax.jit(gemm.matmul)
+        best = min(best, _median_seconds(lambda: amx(a, packed).block_until_ready(), repeats))
+    return best
+
+
 def measure_host_peaks(gemm_size: int = 2048, copy_mib: int = 256, repeats: int = 5) -> dict:
-    """``{"flops": float32 GEMM FLOP/s, "bandwidth": max(copy, read) bytes/s, ...}`` now."""
+    """``{"flops": float32 GEMM FLOP/s, "bf16_flops": bfloat16 GEMM FLOP/s, "bandwidth":
+    max(copy, read) bytes/s, ...}`` now."""
     import jax
     import jax.numpy as jnp
 
@@ -51,6 +72,7 @@ def measure_host_peaks(gemm_size: int = 2048, copy_mib: int = 256, repeats: int 
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
     matmul = jax.jit(lambda x, y: x @ y)
     gemm_s = _median_seconds(lambda: matmul(a, b).block_until_ready(), repeats)
+    bf16_s = _bf16_gemm_seconds(a, b, repeats)
     x = jnp.ones((copy_mib << 20) // 4, jnp.float32)
     scale = jax.jit(lambda v: v * 1.0001)  # one read and one write of every element
     copy_s = _median_seconds(lambda: scale(x).block_until_ready(), repeats)
@@ -59,6 +81,7 @@ def measure_host_peaks(gemm_size: int = 2048, copy_mib: int = 256, repeats: int 
     copy, read = 2.0 * x.nbytes / copy_s, x.nbytes / read_s
     return {
         "flops": 2.0 * n**3 / gemm_s,
+        "bf16_flops": 2.0 * n**3 / bf16_s,
         "bandwidth": max(copy, read),
         "copy_bandwidth": copy,
         "read_bandwidth": read,
@@ -77,7 +100,7 @@ def host_peaks(cache_path: str | os.PathLike | None = CACHE_PATH, refresh: bool 
             cached = json.loads(path.read_text())
         except (OSError, ValueError):
             cached = {}
-    if key in cached and not refresh:
+    if key in cached and "bf16_flops" in cached[key] and not refresh:
         return cached[key]
     peaks = measure_host_peaks() | {"machine": key}
     if path is not None:
@@ -87,13 +110,16 @@ def host_peaks(cache_path: str | os.PathLike | None = CACHE_PATH, refresh: bool 
 
 
 def device_peaks(dtype: str) -> dict[str, float] | None:
-    """Peak FLOP/s and bytes/s of the device JAX runs on: measured on a CPU (``host_peaks``),
+    """Peak FLOP/s and bytes/s of the device JAX runs on: measured on a CPU (``host_peaks``; the
+    bfloat16 GEMM peak for bfloat16 runs),
     the published figures of a named GPU (``research.perf.hardware``) for ``dtype``; None where
     no figure exists."""
     import jax
 
     if jax.default_backend() == "cpu":
-        return host_peaks()
+        peaks = host_peaks()
+        flops = peaks["bf16_flops"] if dtype == "bfloat16" else peaks["flops"]
+        return peaks | {"flops": flops}
     from pallas_kernels.tuning import TARGETS, target_for_kind
     from research.perf.hardware import get_hardware
 

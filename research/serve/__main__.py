@@ -30,6 +30,7 @@ def _llm(model: str, args: argparse.Namespace) -> object:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend,
+        gemm_backend=args.gemm_backend,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
@@ -65,6 +66,11 @@ def main(argv: list[str] | None = None) -> None:
         "--attention-backend",
         default="auto",
         help="auto (native on CPU where it builds, else xla) | xla | native | pallas | pallas_interpret",
+    )
+    parser.add_argument(
+        "--gemm-backend",
+        default="auto",
+        help="auto (the AMX kernel for bfloat16 where the CPU has it, else xla) | xla | native",
     )
     parser.add_argument("--max-waiting", type=int, default=256, help="queue bound; 429 beyond it")
     parser.add_argument(
