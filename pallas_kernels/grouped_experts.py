@@ -32,7 +32,12 @@ Weight tiles, per format (see the storage table in ``research.quant.qtensor``); 
 - fp8: float8_e4m3fn [bk, bn] block, converted to float32 and times the per-column scale.
 The decoded tile is computed with the same float32 operations as ``research.quant.dequantize``
 (bit-identical values), cast to lhs.dtype and fed to the MMA with float32 accumulation (IEEE
-float32 MMA, not TF32, for float32 lhs). The output is lhs.dtype.
+float32 MMA, not TF32, for float32 lhs). An optional per-group ``bias`` [G, N] (gpt-oss's
+experts) is added to the float32 accumulator of the group's rows before the store. The output is
+lhs.dtype.
+
+gpt-oss's MXFP4 experts (``research.models.gpt_oss.mxfp4_from_blocks``) are MXFP4 QTensors of
+exactly this storage (the checkpoint's bytes, axes moved), so they run here as they load.
 
 Status: checked in interpret mode on CPU; its Triton modules pass the MLIR verifier and compile
 offline to cubin for sm_90 and sm_121 (``pallas_kernels.verify``); not yet run on a GPU, and the
@@ -221,9 +226,12 @@ def _kernel(
     block_m: int,
     block_n: int,
     block_k: int,
+    has_bias: bool,
 ):
-    """One (visit, N tile): out[rows, cols] = lhs[rows, :] @ dequant(W[group])[:, cols]."""
+    """One (visit, N tile): out[rows, cols] = lhs[rows, :] @ dequant(W[group])[:, cols]
+    (+ bias[group, cols])."""
     *w_refs, out_ref = refs
+    bias_ref = w_refs.pop() if has_bias else None
     k = lhs_ref.shape[1]
     n = out_ref.shape[1]
     visit = pl.program_id(0)
@@ -261,6 +269,9 @@ def _kernel(
     # i1 type and the loop bound no longer matches the loop variable (an invalid scf.for).
     num_k_steps = jnp.where(hi > lo, jnp.int32(k // block_k), jnp.int32(0))
     acc = jax.lax.fori_loop(0, num_k_steps, k_step, jnp.zeros((block_m, block_n), jnp.float32))
+    if bias_ref is not None:  # the group's rows only: rows from hi on store zeros
+        bias = pltriton.load(bias_ref.at[g, pl.ds(n0, block_n)], mask=col_ok, other=0)
+        acc = acc + jnp.where((rows < hi)[:, None], bias.astype(jnp.float32)[None, :], 0.0)
     store_mask = ((rows >= lo) & (rows < write_hi))[:, None] & col_ok[None, :]
     pltriton.store(
         out_ref.at[pl.ds(row0, block_m), pl.ds(n0, block_n)],
@@ -281,7 +292,11 @@ def _weight_operands(rhs: jax.Array | QTensor) -> tuple[str | None, int, tuple[j
 
 
 def _validate(
-    lhs: jax.Array, rhs: jax.Array | QTensor, group_sizes: jax.Array, blocks: dict[str, int]
+    lhs: jax.Array,
+    rhs: jax.Array | QTensor,
+    group_sizes: jax.Array,
+    blocks: dict[str, int],
+    bias: jax.Array | None = None,
 ) -> None:
     if lhs.ndim != 2:
         raise ValueError(f"lhs must be [M, K]; got shape {lhs.shape}")
@@ -309,6 +324,13 @@ def _validate(
         raise ValueError(f"K={k} is not a multiple of block_k={blocks['block_k']}")
     if isinstance(rhs, QTensor) and rhs.fmt != "fp8" and k % rhs.group_size:
         raise ValueError(f"K={k} is not a multiple of the {rhs.fmt} group size {rhs.group_size}")
+    if bias is not None and (
+        bias.shape != (num_groups, rhs_shape[2]) or not jnp.issubdtype(bias.dtype, jnp.floating)
+    ):
+        raise ValueError(
+            f"bias must be float[{num_groups}, {rhs_shape[2]}] (one row per group); got "
+            f"{bias.dtype}{list(bias.shape)}"
+        )
 
 
 _STATIC = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "interpret")
@@ -325,6 +347,7 @@ def grouped_experts(
     lhs: jax.Array,
     rhs: jax.Array | QTensor,
     group_sizes: jax.Array,
+    bias: jax.Array | None = None,
     *,
     block_m: int = 16,
     block_n: int = 128,
@@ -333,30 +356,34 @@ def grouped_experts(
     num_stages: int = 3,
     interpret: bool = False,
 ) -> jax.Array:
-    """``jax.lax.ragged_dot(lhs, dequantize(rhs), group_sizes)`` with in-kernel dequantization.
+    """``jax.lax.ragged_dot(lhs, dequantize(rhs), group_sizes)`` (+ each row's group's bias)
+    with in-kernel dequantization.
 
     lhs [M, K] (rows sorted by group), rhs [G, K, N] plain array or QTensor of shape (G, K, N),
-    group_sizes int [G] (non-negative; rows past M are ignored) -> [M, N] in lhs.dtype. Rows past
+    group_sizes int [G] (non-negative; rows past M are ignored), bias float [G, N] or None ->
+    [M, N] in lhs.dtype. The bias is added in float32 before the output's rounding. Rows past
     sum(group_sizes) are zero. K must be a multiple of block_k; N need not be a multiple of
     block_n. Blocks are powers of two >= 16. ``interpret=True`` runs the kernel on CPU.
     """
     blocks = dict(block_m=block_m, block_n=block_n, block_k=block_k)
-    _validate(lhs, rhs, group_sizes, blocks)
+    _validate(lhs, rhs, group_sizes, blocks, bias)
     num_rows = lhs.shape[0]
     n = rhs.shape[2]
     if num_rows == 0:
         return jnp.zeros((0, n), lhs.dtype)
     fmt, group_size, weights = _weight_operands(rhs)
     schedule = _tile_schedule(group_sizes, num_rows, block_m)
-    kernel = functools.partial(_kernel, fmt=fmt, group_size=group_size, **blocks)
+    kernel = functools.partial(
+        _kernel, fmt=fmt, group_size=group_size, has_bias=bias is not None, **blocks
+    )
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_rows, n), lhs.dtype),
         grid=(schedule.row_tile.shape[0], pl.cdiv(n, block_n)),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"grouped_experts_{fmt or 'plain'}",
-    )(*schedule, lhs, *weights)
+        name=f"grouped_experts_{fmt or 'plain'}" + ("_bias" if bias is not None else ""),
+    )(*schedule, lhs, *weights, *(() if bias is None else (bias,)))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -403,12 +430,24 @@ def quantized_matmul(
 
 @jax.jit
 def grouped_experts_reference(
-    lhs: jax.Array, rhs: jax.Array | QTensor, group_sizes: jax.Array
+    lhs: jax.Array,
+    rhs: jax.Array | QTensor,
+    group_sizes: jax.Array,
+    bias: jax.Array | None = None,
 ) -> jax.Array:
     """XLA oracle: ``ragged_dot`` on the dequantized weight cast to lhs.dtype (the kernel's MMA
-    operands), float32 accumulation, output in lhs.dtype."""
+    operands), float32 accumulation, plus each grouped row's bias in float32, output in
+    lhs.dtype."""
+    if bias is not None and bias.shape != (rhs.shape[0], rhs.shape[2]):
+        raise ValueError(f"bias must be [{rhs.shape[0]}, {rhs.shape[2]}]; got {bias.shape}")
     w = dequantize(rhs) if isinstance(rhs, QTensor) else rhs
     out = jax.lax.ragged_dot(
         lhs, w.astype(lhs.dtype), group_sizes, preferred_element_type=jnp.float32
     )
+    if bias is not None:
+        ends = jnp.cumsum(group_sizes)  # [G]
+        row = jnp.arange(lhs.shape[0])
+        group = jnp.searchsorted(ends, row, side="right")  # [M]; G past the grouped rows
+        row_bias = bias.astype(jnp.float32)[jnp.minimum(group, bias.shape[0] - 1)]
+        out = out + jnp.where((group < bias.shape[0])[:, None], row_bias, 0.0)
     return out.astype(lhs.dtype)

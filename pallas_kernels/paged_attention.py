@@ -18,6 +18,17 @@ and their scores set to -inf. Loading K, V and scales as 0 matters as much as ma
 a NaN in an unused page (or the tail of the last page) would otherwise reach the output as
 0 * NaN in p @ v. A sequence of length 0 gets zeros.
 
+Sliding window (``window`` W, gpt-oss's sliding layers): a query at position p sees tokens t with
+p - W < t <= p (and t < lengths[b]); p defaults to lengths[b] - 1, the sequence's last token.
+The visible tokens span at most Mw = cdiv(W + S - 1, S) pages, so the wrapper narrows each
+block table to the Mw columns from the window's first page (``_window_tables``) and the kernel
+runs on [B, Mw] tables in token coordinates relative to that page: the grid, the loop and the
+pages read scale with the window, not the context. Tokens of the first and last window page
+outside [p - W + 1, min(p + 1, lengths[b])) are masked exactly like the tail of a page.
+
+Attention sinks (``sinks`` [H], gpt-oss): one logit per head that joins every softmax
+denominator and carries no value; added where the splits are combined, outside the kernel.
+
 Differences from ``jax.experimental.pallas.ops.gpu.paged_attention``: q is not pre-scaled (we
 take ``sm_scale``, default 1/sqrt(D), and apply it to the float32 scores); int4 pages; splits
 and compute blocks adapt to the table width (it need not divide by ``k_splits``); the partial
@@ -29,8 +40,8 @@ them as TF32 otherwise); bf16/f16 operands accumulate in float32. Checked on the
 
 Axis legend: B = batch (sequences), H = query heads, K = kv heads, G = H / K query heads per kv
 head, Gp = G padded to a power of two >= 16, P = pages in the pool, S = page size (tokens per
-page), M = pages per sequence (block-table width), D = head_dim, Dk = stored code width,
-T = tokens per compute block.
+page), M = pages per sequence (block-table width), Mw = pages a window spans, D = head_dim,
+Dk = stored code width, T = tokens per compute block.
 """
 
 from __future__ import annotations
@@ -81,7 +92,8 @@ def _kernel(
     v_ref,  # [P, S, Dk]
     vs_ref,  # [P, S] or None
     table_ref,  # [blocks_per_split * pages] this split's page ids
-    length_ref,  # [1]
+    length_ref,  # [1] end of the visible tokens
+    first_ref,  # [1] first visible token (a window), or None: token 0
     o_ref,  # [Gp, D] float32, unnormalized
     m_ref,  # [Gp] running max of the scores
     l_ref,  # [Gp] softmax denominator (relative to m)
@@ -98,6 +110,11 @@ def _kernel(
     length = length_ref[0]
     split_start = pl.program_id(2) * (blocks_per_split * block_t)
     n_blocks = jnp.clip(pl.cdiv(length - split_start, block_t), 0, blocks_per_split)
+    if first_ref is not None:
+        # The window's first token lies in the table's first page (``_window_tables``), so
+        # every block up to the length holds a visible token, unless none is visible at all.
+        first = first_ref[0]
+        n_blocks = jnp.where(first < length, n_blocks, jnp.int32(0))
 
     if int4:  # q·k = q[:D/2]·lo + q[D/2:]·hi; the output halves accumulate separately
         half = d // 2
@@ -121,6 +138,8 @@ def _kernel(
         # [pages, S]; n_blocks counts only blocks starting below the length, so each has a
         # valid token and the running max below is finite.
         valid = token < length
+        if first_ref is not None:
+            valid &= token >= first
         valid_t = valid.reshape(block_t)
 
         # Gathers index every axis with an array (interpret mode cannot mix arrays and slices).
@@ -184,6 +203,9 @@ def _validate(
     k_scales: jax.Array | None,
     v_scales: jax.Array | None,
     kv_dtype: str | None,
+    window: int | None = None,
+    query_positions: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> str:
     """Shape/dtype checks shared by the kernel and the reference; returns the kv_dtype."""
     if q.ndim != 3:
@@ -211,6 +233,20 @@ def _validate(
         )
     if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         raise ValueError(f"q must be float32, bfloat16 or float16; got {q.dtype}")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int (tokens) or None; got {window!r}")
+    if query_positions is not None:
+        if window is None:
+            raise ValueError("query_positions only apply with a window")
+        if query_positions.shape != (batch,) or query_positions.dtype != jnp.int32:
+            raise ValueError(
+                f"query_positions must be int32[{batch}]; got "
+                f"{query_positions.dtype}{list(query_positions.shape)}"
+            )
+    if sinks is not None and (
+        sinks.shape != (heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating)
+    ):
+        raise ValueError(f"sinks must be float[{heads}]; got {sinks.dtype}{list(sinks.shape)}")
 
     stored = kv_dtype_of(k_pages.dtype)
     if kv_dtype is not None and kv_dtype != stored:
@@ -239,6 +275,7 @@ def _validate(
     static_argnames=(
         "sm_scale",
         "kv_dtype",
+        "window",
         "pages_per_compute_block",
         "k_splits",
         "num_warps",
@@ -258,6 +295,9 @@ def paged_attention(
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
     kv_dtype: str | None = None,
+    window: int | None = None,
+    query_positions: jax.Array | None = None,
+    sinks: jax.Array | None = None,
     pages_per_compute_block: int = 8,
     k_splits: int = 16,
     num_warps: int = 4,
@@ -266,7 +306,8 @@ def paged_attention(
     return_lse: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Decode attention of q [B, H, D] over paged K/V; returns [B, H, D] in q.dtype (and, with
-    ``return_lse``, the float32 log-sum-exp of the scaled scores [B, H], -inf for length 0).
+    ``return_lse``, the float32 log-sum-exp of the scaled scores [B, H], sinks included, -inf
+    when no token is visible and there are no sinks).
 
     Args:
       q: one query token per sequence, [B, H, D], float32/bfloat16/float16. Not pre-scaled.
@@ -278,6 +319,12 @@ def paged_attention(
       sm_scale: softmax scale applied to q·k; default 1/sqrt(D).
       k_scales, v_scales: float32 [K, P, S] per-token scales, required for fp8/int4 pages.
       kv_dtype: "auto" (float), "fp8" or "int4"; inferred from the page dtype, checked if given.
+      window: sliding window in tokens: the query at position p sees tokens p - window < t <= p
+        (and t < length); only the pages holding those tokens are read. None: every token.
+      query_positions: int32 [B], each query's position for the window; default lengths - 1
+        (the query is the sequence's last token). Only with a window.
+      sinks: float [H] attention-sink logits (one per query head): each joins its head's softmax
+        denominator as exp(sink) and contributes no value.
       pages_per_compute_block: pages per inner-loop tile (a power of two); capped at the table
         width and raised so a tile holds >= 16 tokens.
       k_splits: splits of each sequence's pages into programs run in parallel (more for long
@@ -289,10 +336,21 @@ def paged_attention(
     q.dtype for quantized pages (fp8 and int4 codes are exact in bfloat16), else in the wider of
     q.dtype and the page dtype, accumulating in float32.
     """
-    stored = _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, kv_dtype)
+    stored = _validate(
+        q,
+        k_pages,
+        v_pages,
+        block_tables,
+        lengths,
+        k_scales,
+        v_scales,
+        kv_dtype,
+        window,
+        query_positions,
+        sinks,
+    )
     batch, heads, head_dim = q.shape
     kv_heads, num_pages, page_size, code_dim = k_pages.shape
-    pages_per_seq = block_tables.shape[1]
     if not all(map(_is_power_of_2, (page_size, head_dim, code_dim, pages_per_compute_block))):
         raise ValueError(
             "page size, head_dim, stored code width and pages_per_compute_block must be powers "
@@ -303,13 +361,20 @@ def paged_attention(
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     compute_dtype = q.dtype if stored != "auto" else jnp.promote_types(q.dtype, k_pages.dtype)
 
+    lengths = jnp.minimum(lengths, block_tables.shape[1] * page_size)
+    firsts = None
+    if window is not None:
+        positions = lengths - 1 if query_positions is None else query_positions
+        block_tables, firsts, lengths = _window_tables(
+            block_tables, lengths, positions, window, page_size
+        )
+    pages_per_seq = block_tables.shape[1]
     pages, splits, blocks_per_split = _split_plan(
         pages_per_seq, page_size, pages_per_compute_block, k_splits
     )
     pages_per_split = blocks_per_split * pages
     tables = jnp.pad(block_tables, ((0, 0), (0, splits * pages_per_split - pages_per_seq)))
     tables = tables.reshape(batch, splits, pages_per_split)
-    lengths = jnp.minimum(lengths, pages_per_seq * page_size)
 
     group = heads // kv_heads
     block_h = max(MIN_DOT_DIM, pl.next_power_of_2(group))
@@ -342,6 +407,7 @@ def paged_attention(
             scale_spec,
             pl.BlockSpec((None, None, pages_per_split), lambda b, h, s: (b, s, 0)),
             pl.BlockSpec((1,), lambda b, h, s: (b,)),
+            None if firsts is None else pl.BlockSpec((1,), lambda b, h, s: (b,)),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, block_h, head_dim), lambda b, h, s: (s, b, h, 0, 0)),
@@ -355,23 +421,59 @@ def paged_attention(
         ],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"paged_attention_{stored}",
-    )(q_blocks, k_pages, k_scales, v_pages, v_scales, tables, lengths)
+        name=f"paged_attention_{stored}" + ("_window" if window is not None else ""),
+    )(q_blocks, k_pages, k_scales, v_pages, v_scales, tables, lengths, firsts)
 
-    # Log-sum-exp over splits; an empty split has m = -inf, l = 0, acc = 0 and weight 0.
-    m_max = m.max(axis=0)
-    weight = jnp.exp(m - jnp.where(jnp.isfinite(m_max), m_max, 0.0))  # [splits, B, K, Gp]
+    # Log-sum-exp over splits (and the sink); an empty split has m = -inf, l = 0, acc = 0 and
+    # weight 0.
+    top = m.max(axis=0)  # [B, K, Gp]
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(kv_heads, group)
+        sink = jnp.pad(sink, ((0, 0), (0, block_h - group)), constant_values=-jnp.inf)
+        top = jnp.maximum(top, sink[None])
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weight = jnp.exp(m - top)  # [splits, B, K, Gp]
     denom = (weight * total).sum(axis=0)
+    if sinks is not None:
+        denom = denom + jnp.exp(sink[None] - top)
     out = (weight[..., None] * acc).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]
     out = out[:, :, :group].reshape(batch, heads, head_dim).astype(q.dtype)
     if not return_lse:
         return out
     # log sum_j exp(score_j): the weight of this partial attention when merging it with another.
-    lse = jnp.where(denom > 0, m_max + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+    lse = jnp.where(denom > 0, top + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
     return out, lse[:, :, :group].reshape(batch, heads)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "kv_dtype"))
+def window_pages(window: int, page_size: int) -> int:
+    """Pages that ``window`` consecutive tokens can touch: cdiv(window + S - 1, S)."""
+    return pl.cdiv(window + page_size - 1, page_size)
+
+
+def _window_tables(
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    positions: jax.Array,
+    window: int,
+    page_size: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Narrow [B, M] tables to the window: (tables [B, Mw], first [B], end [B]) with the visible
+    tokens [first, end) counted from the first column's page, first in [0, S).
+
+    The query at ``positions`` [B] sees tokens max(p - window + 1, 0) <= t < min(p + 1, length);
+    column j of the narrowed table is page ``first // S + j`` of the sequence. Columns past M
+    repeat the last page id and lie past ``end`` (never loaded)."""
+    width = block_tables.shape[1]
+    start = jnp.maximum(positions - window + 1, 0)  # [B] first visible token
+    end = jnp.minimum(lengths, positions + 1)
+    first_page = jnp.minimum(start // page_size, width - 1)
+    cols = first_page[:, None] + jnp.arange(min(width, window_pages(window, page_size)))
+    tables = jnp.take_along_axis(block_tables, jnp.minimum(cols, width - 1), axis=1)
+    base = first_page * page_size
+    return tables, start - base, jnp.maximum(end - base, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "kv_dtype", "window", "return_lse"))
 def paged_attention_reference(
     q: jax.Array,
     k_pages: jax.Array,
@@ -383,12 +485,30 @@ def paged_attention_reference(
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
     kv_dtype: str | None = None,
-) -> jax.Array:
-    """``paged_attention`` in plain jnp, all in float32: gather each sequence's pages through its
-    block table, dequantize, masked softmax (masked K/V rows zeroed, so NaN pages stay out)."""
-    stored = _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, kv_dtype)
+    window: int | None = None,
+    query_positions: jax.Array | None = None,
+    sinks: jax.Array | None = None,
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """``paged_attention`` in plain jnp, all in float32: gather each sequence's whole table,
+    dequantize, masked softmax with the sinks as extra logits (masked K/V rows zeroed, so NaN
+    pages stay out)."""
+    stored = _validate(
+        q,
+        k_pages,
+        v_pages,
+        block_tables,
+        lengths,
+        k_scales,
+        v_scales,
+        kv_dtype,
+        window,
+        query_positions,
+        sinks,
+    )
     batch, heads, head_dim = q.shape
     kv_heads, _, page_size, _ = k_pages.shape
+    group = heads // kv_heads
     tokens = block_tables.shape[1] * page_size
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
 
@@ -400,15 +520,30 @@ def paged_attention_reference(
             x = dequantize_kv(codes, scales[:, block_tables], stored)
         return x.reshape(kv_heads, batch, tokens, head_dim).transpose(1, 0, 2, 3)
 
-    valid = jnp.arange(tokens)[None, :] < lengths[:, None]  # [B, M*S]
+    t = jnp.arange(tokens)[None, :]
+    valid = t < lengths[:, None]  # [B, M*S]
+    if window is not None:
+        p = (lengths - 1 if query_positions is None else query_positions)[:, None]
+        valid &= (t > p - window) & (t <= p)
     k = jnp.where(valid[:, None, :, None], gather(k_pages, k_scales), 0.0)
     v = jnp.where(valid[:, None, :, None], gather(v_pages, v_scales), 0.0)
-    qg = q.astype(jnp.float32).reshape(batch, kv_heads, heads // kv_heads, head_dim)
+    qg = q.astype(jnp.float32).reshape(batch, kv_heads, group, head_dim)
     hi = jax.lax.Precision.HIGHEST
     scores = jnp.einsum("bkgd,bktd->bkgt", qg, k, precision=hi) * sm_scale
     scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)
+    if sinks is not None:  # one more logit per head, with a zero value
+        sink = jnp.broadcast_to(
+            sinks.astype(jnp.float32).reshape(1, kv_heads, group, 1), (batch, kv_heads, group, 1)
+        )
+        scores = jnp.concatenate([scores, sink], axis=-1)
+        v = jnp.concatenate([v, jnp.zeros((batch, kv_heads, 1, head_dim))], axis=2)
     m = scores.max(axis=-1, keepdims=True)
-    p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))  # 0 at masked tokens
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(scores - m)  # 0 at masked tokens
     denom = p.sum(axis=-1, keepdims=True)
     out = jnp.einsum("bkgt,bktd->bkgd", p, v, precision=hi) / jnp.where(denom > 0, denom, 1.0)
-    return out.reshape(batch, heads, head_dim).astype(q.dtype)
+    out = out.reshape(batch, heads, head_dim).astype(q.dtype)
+    if not return_lse:
+        return out
+    lse = jnp.where(denom > 0, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+    return out, lse.reshape(batch, heads)

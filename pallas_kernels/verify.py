@@ -9,8 +9,10 @@ per-block limit. It exits non-zero if any configuration fails.
 
 The configurations are the engine's: the attention shapes of the presets (SmolLM2-135M,
 Qwen3-30B-A3B, Llama-3.3-70B, gpt-oss-120b) at block sizes 8 to 128, float32 / bfloat16 queries
-with float, fp8 and int4 KV pages; the grouped-experts kernel on Qwen3-30B-A3B's expert GEMMs and
-SmolLM2's linear layers, in every weight format with float32 and bfloat16 activations.
+with float, fp8 and int4 KV pages, and gpt-oss's sliding-window layers (window 128, sinks); the
+grouped-experts kernel on Qwen3-30B-A3B's expert GEMMs and SmolLM2's linear layers, in every
+weight format with float32 and bfloat16 activations, and on gpt-oss-120b's MXFP4 experts with
+biases.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ GEMM_SHAPES = {
     "smollm2-135m down": (1536, 576),
 }
 WEIGHT_FORMATS = (None, *FORMATS)
+# gpt-oss-120b: sliding-window layers (with sinks) and MXFP4 experts with biases.
+GPT_OSS_WINDOW = 128
+GPT_OSS_EXPERT_SHAPES = {"gpt-oss-120b gate/up/down": (2880, 2880)}
 ACTIVATION_DTYPES = (jnp.float32, jnp.bfloat16)
 BATCH, PAGES_PER_SEQ, NUM_PAGES = 8, 64, 1024  # the grid and pool size do not change the IR
 ROWS, EXPERTS = 64, 8
@@ -82,7 +87,9 @@ def paged_attention_cases(
     target: GpuTarget,
     shapes: dict[str, tuple[int, int, int]] = ATTENTION_SHAPES,
     page_sizes: tuple[int, ...] = PAGE_SIZES,
+    window: int | None = None,
 ) -> list[KernelCase]:
+    """With a ``window``: gpt-oss's sliding layers (window, per-query positions and sinks)."""
     cases = []
     for model, (heads, kv_heads, head_dim) in shapes.items():
         for page_size in page_sizes:
@@ -102,12 +109,20 @@ def paged_attention_cases(
                         q_dtype=q_dtype,
                         page_dtype=code_dtype,
                     )
+                    windowed = {}
+                    if window is not None:
+                        windowed = dict(
+                            window=window,
+                            query_positions=_sds((BATCH,), jnp.int32),
+                            sinks=_sds((heads,), jnp.float32),
+                        )
                     cases.append(
                         KernelCase(
                             label=(
                                 f"paged_attention {model} S={page_size} kv={kv} "
                                 f"q={jnp.dtype(q_dtype).name} "
                                 f"tile={blocks['pages_per_compute_block'] * page_size}"
+                                + ("" if window is None else f" window={window} sinks")
                             ),
                             fn=paged_attention,
                             args=(
@@ -117,7 +132,7 @@ def paged_attention_cases(
                                 _sds((BATCH, PAGES_PER_SEQ), jnp.int32),
                                 _sds((BATCH,), jnp.int32),
                             ),
-                            kwargs=dict(**scales, return_lse=True, **blocks),
+                            kwargs=dict(**scales, **windowed, return_lse=True, **blocks),
                             num_warps=blocks["num_warps"],
                             num_stages=blocks["num_stages"],
                         )
@@ -136,19 +151,25 @@ def _weight(fmt: str | None, k: int, n: int, dtype) -> Any:
 
 
 def grouped_experts_cases(
-    target: GpuTarget, shapes: dict[str, tuple[int, int]] = GEMM_SHAPES
+    target: GpuTarget,
+    shapes: dict[str, tuple[int, int]] = GEMM_SHAPES,
+    formats: tuple[str | None, ...] = WEIGHT_FORMATS,
+    bias: bool = False,
 ) -> list[KernelCase]:
+    """``bias``: with a per-expert float32 bias [G, N] (gpt-oss's experts)."""
     cases = []
     for name, (k, n) in shapes.items():
-        for fmt in WEIGHT_FORMATS:
+        for fmt in formats:
             for dtype in ACTIVATION_DTYPES:
                 blocks = target.grouped_experts.kwargs(k, dtype)
                 dname = jnp.dtype(dtype).name
+                biased = dict(bias=_sds((EXPERTS, n), jnp.float32)) if bias else {}
                 cases.append(
                     KernelCase(
                         label=(
                             f"grouped_experts {name} w={fmt or dname} x={dname} "
                             f"bm={blocks['block_m']} bn={blocks['block_n']} bk={blocks['block_k']}"
+                            + (" bias" if bias else "")
                         ),
                         fn=grouped_experts,
                         args=(
@@ -156,7 +177,7 @@ def grouped_experts_cases(
                             _weight(fmt, k, n, dtype),
                             _sds((EXPERTS,), jnp.int32),
                         ),
-                        kwargs=blocks,
+                        kwargs=dict(**biased, **blocks),
                         num_warps=blocks["num_warps"],
                         num_stages=blocks["num_stages"],
                     )
@@ -167,11 +188,15 @@ def grouped_experts_cases(
 def kernel_cases(target: GpuTarget, quick: bool = False) -> list[KernelCase]:
     """The engine's configurations on ``target``; ``quick`` keeps the extreme page sizes and
     two attention shapes (the tests' lowering set)."""
+    gpt_oss = {"gpt-oss-120b": ATTENTION_SHAPES["gpt-oss-120b"]}
     if quick:
         shapes = {m: ATTENTION_SHAPES[m] for m in ("smollm2-135m", "qwen3-30b-a3b")}
         cases = paged_attention_cases(target, shapes, (8, 16, 128)) + grouped_experts_cases(target)
+        cases += paged_attention_cases(target, gpt_oss, (16,), window=GPT_OSS_WINDOW)
     else:
         cases = paged_attention_cases(target) + grouped_experts_cases(target)
+        cases += paged_attention_cases(target, gpt_oss, window=GPT_OSS_WINDOW)
+    cases += grouped_experts_cases(target, GPT_OSS_EXPERT_SHAPES, ("mxfp4",), bias=True)
     return [c for c in cases if target.supports_fp8 or not uses_fp8(c)]
 
 

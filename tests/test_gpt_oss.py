@@ -288,9 +288,10 @@ def test_yarn_frequencies_match_hf_at_full_size(truncate):
     assert rope_attention_factor(scaling) == pytest.approx(gain)
 
 
-def test_paged_kernel_path_applies_sinks_like_the_xla_path():
+def test_paged_kernel_path_applies_sinks_and_window_like_the_xla_path():
     """The Pallas paged-attention path (interpreted) merges the sinks into its log-sum-exp
-    merge and matches the XLA gather path; a window is refused there by name."""
+    merge and applies a sliding window as the XLA gather path does; the native kernel refuses
+    a window by name."""
     from research.engine.kv_cache import (
         _gather_attention,
         _kernel_attention,
@@ -317,5 +318,35 @@ def test_paged_kernel_path_applies_sinks_like_the_xla_path():
     valid = np.asarray(positions) >= 0
     np.testing.assert_allclose(np.asarray(kernel)[valid], np.asarray(xla)[valid], atol=1e-5)
     assert np.abs(np.asarray(xla - _gather_attention(*args, "xla")))[valid].max() > 1e-2
-    with pytest.raises(ValueError, match="no sliding window"):
-        _kernel_attention(*args, "pallas_interpret", window=4)
+    for window in (1, 3, 6):  # inside the new tokens, across the last page, across two pages
+        xla_w = _gather_attention(*args, "xla", window=window, sinks=sinks)
+        kernel_w = jax.jit(
+            lambda s, w=window: _kernel_attention(*args, "pallas_interpret", window=w, sinks=s)
+        )(sinks)
+        np.testing.assert_allclose(np.asarray(kernel_w)[valid], np.asarray(xla_w)[valid], atol=1e-5)
+        assert np.abs(np.asarray(xla_w - xla))[valid].max() > 1e-2
+    with pytest.raises(ValueError, match="native paged-attention kernel has no sliding window"):
+        _kernel_attention(*args, "native", window=4)
+
+
+def test_pallas_backend_serves_gpt_oss_like_xla(mxfp4_model):
+    """The paged engine with attention_backend="pallas_interpret" on the MXFP4 checkpoint: the
+    windowed Pallas paged-attention kernel on the sliding layers (a prompt 2.5 windows long in
+    two prefill chunks, pages of half the window, then decodes) and the grouped-experts kernel
+    decoding the MXFP4 experts in-kernel give the XLA backend's greedy tokens."""
+    _, path, _ = mxfp4_model
+    rng = np.random.RandomState(5)
+    prompts = [rng.randint(0, 512, size=n).tolist() for n in (3, 20)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def tokens(backend: str) -> list[list[int]]:
+        llm = LLM(
+            str(path),
+            dtype="float32",
+            block_size=WINDOW // 2,
+            max_num_batched_tokens=16,
+            attention_backend=backend,
+        )
+        return [out.token_ids for out in llm.generate(prompts, params)]
+
+    assert tokens("pallas_interpret") == tokens("xla")

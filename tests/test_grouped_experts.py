@@ -1,5 +1,6 @@
 """Grouped-experts Pallas kernel (interpreted on CPU, compiled on a GPU) against ``ragged_dot`` on
-dequantized weights, its tile schedule, the dense ``quantized_matmul``, input validation and the GPU (Triton) lowering.
+dequantized weights (plus a per-group bias), gpt-oss's MXFP4 checkpoint layout, its tile
+schedule, the dense ``quantized_matmul``, input validation and the GPU (Triton) lowering.
 
 Tolerances: the kernel decodes each weight tile with the same float32 operations as
 ``research.quant.dequantize``, so kernel and reference multiply identical operands and differ only
@@ -161,6 +162,71 @@ def test_quantized_matmul(fmt: str):
     _check(out, expected)
 
 
+def _bias(dtype=jnp.float32) -> jax.Array:
+    return jnp.asarray(_normal(4, (G, N)), dtype)
+
+
+def _ragged_dot_plus_bias(lhs, rhs, group_sizes, bias) -> jax.Array:
+    """ragged_dot on the dequantized weight (cast to lhs.dtype: the kernel's MMA operands), then
+    each grouped row's bias in numpy; rows past the groups stay zero."""
+    w = dequantize(rhs) if isinstance(rhs, QTensor) else rhs
+    out = jax.lax.ragged_dot(
+        lhs, w.astype(lhs.dtype), group_sizes, preferred_element_type=jnp.float32
+    )
+    out = np.array(out, np.float32)
+    sizes = np.asarray(group_sizes)
+    out[: sizes.sum()] += np.repeat(np.asarray(bias, np.float32), sizes, axis=0)
+    return jnp.asarray(out).astype(lhs.dtype)
+
+
+@pytest.mark.parametrize("case", ["mixed", "straddling", "trailing_tiles", "all_empty"])
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "mxfp4", "awq"])
+def test_bias_matches_ragged_dot_plus_bias(kind: str, case: str):
+    """Per-group bias [G, N] (gpt-oss's experts): added to each group's rows only; rows past the
+    groups stay zero (a bias there would show up)."""
+    lhs, rhs = _lhs(RHS_KINDS[kind][1]), _rhs(kind)
+    group_sizes = jnp.asarray(GROUP_SIZES[case], jnp.int32)
+    bias = _bias()
+    out = kernel(lhs, rhs, group_sizes, bias)
+    _check(out, _ragged_dot_plus_bias(lhs, rhs, group_sizes, bias))
+    _check(out, grouped_experts_reference(lhs, rhs, group_sizes, bias))
+    total = sum(GROUP_SIZES[case])
+    np.testing.assert_array_equal(np.asarray(out[total:], np.float32), 0.0)
+
+
+E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def _gpt_oss_mxfp4(seed: int) -> tuple[QTensor, np.ndarray]:
+    """Random gpt-oss ``*_blocks`` [G, N, K/32, 16] / ``*_scales`` [G, N, K/32] through the
+    checkpoint loader, and the weight [G, K, N] they encode, decoded here in numpy from the
+    format's definition: byte j of a block holds elements 2j (low nibble) and 2j + 1 (high);
+    E2M1 code = sign bit 3, magnitude index bits 0-2; E8M0 scale = 2^(code - 127)."""
+    from research.models.gpt_oss import mxfp4_from_blocks
+
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (G, N, K // 32, 16), dtype=np.uint8)
+    scales = rng.integers(120, 131, (G, N, K // 32), dtype=np.uint8)
+    nibbles = np.stack([blocks & 0xF, blocks >> 4], axis=-1).reshape(G, N, K)  # [G, N, K]
+    values = np.asarray(E2M1_VALUES)[nibbles & 7] * np.where(nibbles & 8, -1.0, 1.0)
+    values *= np.repeat(np.exp2(scales.astype(np.float64) - 127), 32, axis=-1)
+    return mxfp4_from_blocks(blocks, scales, "float32"), values.transpose(0, 2, 1)
+
+
+@pytest.mark.parametrize("lhs_dtype", [jnp.float32, jnp.bfloat16])
+def test_gpt_oss_mxfp4_experts_with_bias(lhs_dtype):
+    """gpt-oss's checkpoint layout (E2M1 codes, low nibble = even element, E8M0 scales per 32
+    inputs) as the loader stores it, with a bias: the kernel against ragged_dot on the weight
+    decoded independently in numpy, plus the bias."""
+    rhs, dense = _gpt_oss_mxfp4(5)
+    assert rhs.fmt == "mxfp4" and rhs.shape == (G, K, N)
+    np.testing.assert_array_equal(np.asarray(dequantize(rhs), np.float64), dense)
+    lhs, bias = _lhs(lhs_dtype), _bias()
+    group_sizes = jnp.asarray(GROUP_SIZES["mixed"], jnp.int32)
+    out = kernel(lhs, rhs, group_sizes, bias)
+    _check(out, _ragged_dot_plus_bias(lhs, jnp.asarray(dense, jnp.float32), group_sizes, bias))
+
+
 def _lowered_text(lhs, rhs, group_sizes) -> str:
     f = functools.partial(grouped_experts, **BLOCKS, interpret=False)
     return jax.jit(f).trace(lhs, rhs, group_sizes).lower(lowering_platforms=("cuda",)).as_text()
@@ -189,6 +255,8 @@ def test_bad_inputs_raise():
         ((lhs, rhs, gs.astype(jnp.float32)), {}, "group_sizes must be"),
         ((lhs, rhs, gs[None]), {}, "group_sizes must be"),
         ((lhs, rhs, gs), {"block_m": 8}, "block_m must be a power of two"),
+        ((lhs, rhs, gs, _bias()[:, :-1]), {}, r"bias must be float\[6, 96\]"),
+        ((lhs, rhs, gs, _bias().astype(jnp.int32)), {}, "bias must be float"),
         ((lhs, rhs, gs), {"block_n": 48}, "block_n must be a power of two"),
         ((lhs[:, :192], _rhs("float32")[:, :192], gs), {"block_k": 128}, "multiple of block_k"),
         # A hand-built QTensor whose K is not a whole number of AWQ groups.

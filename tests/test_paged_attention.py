@@ -1,6 +1,7 @@
 """Paged decode attention (Pallas, Triton backend; interpreted on CPU, compiled on a GPU): the
-kernel against its jnp reference and JAX's own Pallas op, KV quantization round trips and layouts, the split over pages,
-GPU lowering without a GPU, and argument validation.
+kernel against its jnp reference and JAX's own Pallas op, sliding windows and attention sinks, KV
+quantization round trips and layouts, the split over pages, GPU lowering without a GPU, and
+argument validation.
 
 Inputs are poisoned: every KV slot no valid token uses (whole unused pages, the tail of each
 sequence's last page, spare pages the block tables point to past the length) holds NaN (NaN
@@ -19,8 +20,10 @@ from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
 from pallas_kernels.paged_attention import (
     _split_plan,
+    _window_tables,
     paged_attention,
     paged_attention_reference,
+    window_pages,
 )
 from research.quant.kv import (
     dequantize_kv,
@@ -53,11 +56,15 @@ def _make_case(
     kv: str,
     q_dtype=jnp.float32,
     poison: float = np.nan,
+    window: int | None = None,
+    query_positions: tuple[int, ...] | None = None,
 ):
     """q, pages, block tables, lengths and scales; unused KV slots hold ``poison``.
 
     Block tables are a random permutation of the pool, two spare pages stay unreferenced, and
-    table entries past a sequence's length point at (poisoned) pages like any other.
+    table entries past a sequence's length point at (poisoned) pages like any other. With a
+    ``window``, tokens outside the window of each query's position (default length - 1) are
+    unused too: whole pages before the window and the out-of-window part of its first page.
     kv: "f32" / "bf16" (float pages) or "fp8" / "int4" (quantized from float32).
     """
     rng = np.random.default_rng(seed)
@@ -72,11 +79,16 @@ def _make_case(
     used = np.zeros(shape[:3], bool)  # [K, P, S]
     for b, n in enumerate(lengths):
         t = np.arange(n)
+        if window is not None:
+            p = n - 1 if query_positions is None else query_positions[b]
+            t = t[(t > p - window) & (t <= p)]
         used[:, tables[b, t // page_size], t % page_size] = True
 
     args = dict(
         block_tables=jnp.asarray(tables, jnp.int32), lengths=jnp.asarray(lengths, jnp.int32)
     )
+    if query_positions is not None:
+        args["query_positions"] = jnp.asarray(query_positions, jnp.int32)
     if kv in ("f32", "bf16"):
         dtype = jnp.float32 if kv == "f32" else jnp.bfloat16
         k, v = (jnp.asarray(np.where(used[..., None], x, poison), dtype) for x in (k, v))
@@ -92,6 +104,8 @@ def _make_case(
 
 
 def _call(fn, case, **kwargs):
+    if "query_positions" in case:
+        kwargs["query_positions"] = case["query_positions"]
     return fn(
         case["q"],
         case["k_pages"],
@@ -239,6 +253,104 @@ def test_split_plan():
     assert _split_plan(5, 16, 1, 4) == (1, 3, 2)  # 5 blocks in 4 splits: 2 per split, 3 splits
 
 
+# ---- sliding window and sinks --------------------------------------------------------------------
+
+# Windows smaller than, equal to and larger than the page; lengths on both sides of the window
+# (below it, at it, one past it, many pages past it) and of page boundaries. Every slot outside
+# a query's window is NaN: a read of an out-of-window page or slot shows up in the output.
+WINDOW_CASES = [
+    # page, window, kv,   q dtype,      lengths,                         query positions
+    (8, 5, "f32", jnp.float32, (0, 1, 4, 5, 6, 13, 40, 64), None),
+    (8, 8, "f32", jnp.float32, (7, 8, 9, 16, 17, 63), None),
+    (8, 20, "f32", jnp.float32, (19, 20, 21, 27, 47, 64), None),
+    (16, 16, "f32", jnp.float32, (1, 15, 16, 17, 33, 64), None),
+    (4, 16, "f32", jnp.float32, (3, 16, 17, 30, 32), None),
+    (16, 5, "bf16", jnp.bfloat16, (4, 5, 6, 20, 50), None),
+    (8, 12, "fp8", jnp.float32, (11, 12, 13, 40), None),
+    (16, 24, "int4", jnp.float32, (23, 24, 25, 64), None),
+    # The engine's prefill chunks: queries at or past the cached length (positions of new tokens
+    # that are not in the pages); a window that ends before the context does sees nothing.
+    (8, 10, "f32", jnp.float32, (0, 5, 20, 20, 20, 30), (0, 7, 20, 25, 29, 45)),
+]
+
+
+@pytest.mark.parametrize(("page", "window", "kv", "q_dtype", "lengths", "positions"), WINDOW_CASES)
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_window_matches_reference(page, window, kv, q_dtype, lengths, positions, with_sinks):
+    pages_per_seq = 64 // page
+    case = _make_case(
+        6,
+        lengths=lengths,
+        group=4,
+        kv_heads=2,
+        head_dim=64,
+        page_size=page,
+        pages_per_seq=pages_per_seq,
+        kv=kv,
+        q_dtype=q_dtype,
+        window=window,
+        query_positions=positions,
+    )
+    sinks = jnp.asarray(np.random.default_rng(7).standard_normal(8), jnp.float32)
+    kwargs = dict(window=window, return_lse=True, sinks=sinks if with_sinks else None)
+    out, lse = _call(kernel, case, pages_per_compute_block=2, k_splits=2, **kwargs)
+    ref, ref_lse = _call(paged_attention_reference, case, **kwargs)
+    tol = F32_TOL if q_dtype == jnp.float32 and kv != "bf16" else BF16_TOL
+    _assert_close(out, ref, tol)
+    ref_lse = np.asarray(ref_lse)
+    np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-5, atol=1e-5)
+    if with_sinks:  # the sink keeps every denominator positive
+        assert np.isfinite(ref_lse).all()
+    elif positions is not None:  # windows that end before the context: nothing visible
+        assert not np.isfinite(ref_lse).all()
+
+
+def test_window_reads_only_the_window():
+    """The window is what the kernel reads: a window of 128 over a 1,024-token table narrows it
+    to the 9 pages of 16 tokens the window can touch, starting at the window's first page, and
+    the split plan (the grid) follows the narrowed table."""
+    page, width = 16, 64
+    tables = jnp.asarray(np.arange(3 * width).reshape(3, width), jnp.int32)
+    lengths = jnp.asarray([1024, 200, 100], jnp.int32)
+    positions = jnp.asarray([1023, 200, 99], jnp.int32)  # row 1 queries the token after its last
+    narrowed, first, end = jax.jit(_window_tables, static_argnums=(3, 4))(
+        tables, lengths, positions, 128, page
+    )
+    assert window_pages(128, page) == 9 and narrowed.shape == (3, 9)
+    starts = np.maximum(np.asarray(positions) - 127, 0)  # first visible token
+    np.testing.assert_array_equal(
+        np.asarray(narrowed[:, 0]), starts // page + [0, width, 2 * width]
+    )
+    np.testing.assert_array_equal(np.asarray(first), starts % page)
+    np.testing.assert_array_equal(np.asarray(end), [128, 136, 100])
+    assert _split_plan(9, page, 8, 16)[1] == 2 < _split_plan(width, page, 8, 16)[1] == 8
+
+
+def test_sinks_without_window_and_empty_sequences():
+    """Sinks join the denominator with no value: a sequence with no tokens gets zeros and the
+    sink as its log-sum-exp; a sink of -inf changes nothing."""
+    case = _make_case(
+        8,
+        lengths=(0, 9, 32),
+        group=2,
+        kv_heads=2,
+        head_dim=64,
+        page_size=8,
+        pages_per_seq=4,
+        kv="f32",
+    )
+    sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
+    out, lse = _call(kernel, case, sinks=sinks, return_lse=True)
+    ref, ref_lse = _call(paged_attention_reference, case, sinks=sinks, return_lse=True)
+    _assert_close(out, ref, F32_TOL)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-5, atol=1e-5)
+    assert not np.asarray(out[0]).any() and np.array_equal(np.asarray(lse[0]), np.asarray(sinks))
+    plain = _call(kernel, case)
+    no_sinks = _call(kernel, case, sinks=jnp.full((4,), -jnp.inf, jnp.float32))
+    _assert_close(no_sinks, plain, F32_TOL)
+    assert np.abs(np.asarray(out[1:] - plain[1:])).max() > 1e-2
+
+
 # ---- KV quantization -----------------------------------------------------------------------------
 
 
@@ -368,6 +480,19 @@ def small_case():
 def test_validation_errors(small_case, change, match):
     with pytest.raises(ValueError, match=match):
         _call(kernel, change(small_case))
+
+
+def test_validation_window_positions_and_sinks(small_case):
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        _call(kernel, small_case, window=0)
+    with pytest.raises(ValueError, match="query_positions only apply with a window"):
+        _call(kernel, small_case, query_positions=jnp.zeros((1,), jnp.int32))
+    with pytest.raises(ValueError, match=r"query_positions must be int32\[1\]"):
+        _call(kernel, small_case, window=4, query_positions=jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match=r"sinks must be float\[4\]"):
+        _call(kernel, small_case, sinks=jnp.zeros((2,), jnp.float32))
+    with pytest.raises(ValueError, match=r"sinks must be float\[4\]"):  # the reference too
+        _call(paged_attention_reference, small_case, sinks=jnp.zeros((4,), jnp.int32))
 
 
 def test_validation_kv_dtype_and_powers_of_two(small_case):

@@ -16,6 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import verify
+from pallas_kernels.paged_attention import _split_plan, window_pages
 from pallas_kernels.triton_ir import (
     compile_offline,
     lower_triton_modules,
@@ -53,6 +54,41 @@ def test_every_engine_configuration_verifies(target: str):
         assert module.dots(), f"{case.label}: no tt.dot in the module"
     assert not failures, "\n".join(failures)
     assert f32_dots > 0  # the float32 cases were checked for IEEE dots, not skipped
+    labels = [case.label for case in cases]
+    assert any("window=128 sinks" in label for label in labels)  # gpt-oss's sliding layers
+    assert any("w=mxfp4" in label and label.endswith(" bias") for label in labels)
+
+
+def test_gpt_oss_window_and_biased_mxfp4_experts_verify():
+    """gpt-oss's kernels on their own: the windowed attention (window 128, per-query positions,
+    sinks) and the MXFP4 experts with biases pass the MLIR verifier, and the windowed grid
+    covers the 9 pages of 16 tokens the window can touch, not the table's 64 (e.g. 2 splits
+    instead of 8 for bfloat16's 128-token tiles)."""
+    target = TARGETS["h200"]
+    gpt_oss = {"gpt-oss-120b": verify.ATTENTION_SHAPES["gpt-oss-120b"]}
+    window = verify.GPT_OSS_WINDOW
+    windowed = verify.paged_attention_cases(target, gpt_oss, (16,), window=window)
+    full = verify.paged_attention_cases(target, gpt_oss, (16,))
+    for case, full_case in zip(windowed, full, strict=True):
+        if "kv=auto" not in case.label:
+            continue
+        module, full_module = verify.lower_case(case), verify.lower_case(full_case)
+        assert module.verified, f"{case.label}: {module.error}"
+        assert module.name.endswith("_window") and module.dots()
+        assert not verify.dot_problems(module), case.label
+        tile, splits = case.kwargs["pages_per_compute_block"], case.kwargs["k_splits"]
+        window_splits = _split_plan(window_pages(window, 16), 16, tile, splits)[1]
+        full_splits = _split_plan(verify.PAGES_PER_SEQ, 16, tile, splits)[1]
+        assert module.grid == (verify.BATCH, 8, window_splits), case.label
+        assert full_module.grid == (verify.BATCH, 8, full_splits) and window_splits < full_splits
+    experts = verify.grouped_experts_cases(
+        target, verify.GPT_OSS_EXPERT_SHAPES, ("mxfp4",), bias=True
+    )
+    for case in experts:
+        module = verify.lower_case(case)
+        assert module.verified, f"{case.label}: {module.error}"
+        assert module.name == "grouped_experts_mxfp4_bias"
+        assert not verify.dot_problems(module), case.label
 
 
 def _loop_kernel(n_ref, x_ref, o_ref, *, typed: bool):
@@ -104,16 +140,25 @@ needs_triton = pytest.mark.skipif(
 
 def _compile_set(target) -> list[verify.KernelCase]:
     """Per target: attention at Qwen3-30B-A3B's shape with every KV dtype and query dtype at the
-    default block size and the largest, and every expert weight format at its gate/up GEMM."""
+    default block size and the largest, every expert weight format at its gate/up GEMM, and
+    gpt-oss-120b's windowed attention (every KV dtype) and biased MXFP4 experts in bfloat16."""
     attention = verify.paged_attention_cases(
         target, {"qwen3-30b-a3b": verify.ATTENTION_SHAPES["qwen3-30b-a3b"]}, (16, 128)
     )
     experts = verify.grouped_experts_cases(
         target, {"qwen3-30b-a3b gate/up": verify.GEMM_SHAPES["qwen3-30b-a3b gate/up"]}
     )
-    return [c for c in attention if "q=bfloat16" in c.label or "S=16" in c.label] + [
-        c for c in experts if "x=bfloat16" in c.label or "w=float32" in c.label
-    ]
+    gpt_oss = verify.paged_attention_cases(
+        target,
+        {"gpt-oss-120b": verify.ATTENTION_SHAPES["gpt-oss-120b"]},
+        (16,),
+        window=verify.GPT_OSS_WINDOW,
+    ) + verify.grouped_experts_cases(target, verify.GPT_OSS_EXPERT_SHAPES, ("mxfp4",), bias=True)
+    return (
+        [c for c in attention if "q=bfloat16" in c.label or "S=16" in c.label]
+        + [c for c in experts if "x=bfloat16" in c.label or "w=float32" in c.label]
+        + [c for c in gpt_oss if "q=bfloat16" in c.label or "x=bfloat16" in c.label]
+    )
 
 
 @needs_triton

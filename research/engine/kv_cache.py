@@ -455,11 +455,13 @@ def _kernel_attention(
     w = exp(lse - max), w_s = exp(sink - max) with attention sinks (0 without).
 
     Every query token becomes one kernel query with its row's block table and the row's cached
-    length (its start position), so a prefill chunk of T tokens costs T decode queries."""
-    if window is not None:
+    length (its start position), so a prefill chunk of T tokens costs T decode queries. With a
+    ``window`` each query passes its own position, and the Pallas kernel reads only the pages
+    of its window; the native kernel has no window."""
+    if window is not None and backend == "native":
         raise ValueError(
-            f"attention_backend {backend!r}: the paged-attention kernel has no sliding window; "
-            "use attention_backend='xla' for models with sliding-window layers"
+            f"attention_backend {backend!r}: the native paged-attention kernel has no sliding "
+            "window; use attention_backend='xla' or a Pallas backend for sliding-window layers"
         )
     r, t, h, e = q.shape
     start = jnp.maximum(positions[:, 0], 0)  # cached tokens per row (0 for padding rows)
@@ -474,10 +476,19 @@ def _kernel_attention(
             q.reshape(r * t, h, e), pool.k[layer], pool.v[layer], tables, lengths, scale
         )
     else:
+        query_positions = None if window is None else positions.reshape(r * t)
         ctx_out, ctx_lse = _pallas_context(
-            q.reshape(r * t, h, e), pool, layer, tables, lengths, scale, backend
+            q.reshape(r * t, h, e),
+            pool,
+            layer,
+            tables,
+            lengths,
+            scale,
+            backend,
+            window,
+            query_positions,
         )
-    new_out, new_lse = _new_token_attention(q, k_new, v_new, positions, scale)
+    new_out, new_lse = _new_token_attention(q, k_new, v_new, positions, scale, window)
     ctx_out = ctx_out.reshape(r, t, h, e).astype(jnp.float32)
     ctx_lse = ctx_lse.reshape(r, t, h)
     top = jnp.maximum(ctx_lse, new_lse)
@@ -495,16 +506,22 @@ def _kernel_attention(
 
 
 def _new_token_attention(
-    q: jax.Array, k_new: jax.Array, v_new: jax.Array, positions: jax.Array, scale: float
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    positions: jax.Array,
+    scale: float,
+    window: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Attention of the call's queries over the call's own new tokens, in float32: (out, lse).
-    A decode row (T = 1) sees exactly its own token, so its out is that token's V and its lse
-    its one score: no batched dot (XLA:CPU runs small bf16 batched dots on a slow path)."""
+    """Attention of the call's queries over the call's own new tokens (those within ``window``),
+    in float32: (out, lse). A decode row (T = 1) sees exactly its own token, so its out is that
+    token's V and its lse its one score: no batched dot (XLA:CPU runs small bf16 batched dots
+    on a slow path)."""
     f32 = jnp.float32
     q, k_new, v_new = q.astype(f32), k_new.astype(f32), v_new.astype(f32)
     r, t, h, e = q.shape
     if t > 1:
-        return attention_with_lse(q, k_new, v_new, _new_token_mask(positions), scale)
+        return attention_with_lse(q, k_new, v_new, _new_token_mask(positions, window), scale)
     kvh = k_new.shape[2]
     g = h // kvh
     valid = (positions[:, 0] >= 0)[:, None, None]  # [R, 1, 1]
@@ -523,8 +540,11 @@ def _pallas_context(
     lengths: jax.Array,
     scale: float,
     backend: str,
+    window: int | None = None,
+    query_positions: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """The Pallas paged-attention kernel over the cached context: (out, lse) per query."""
+    """The Pallas paged-attention kernel over the cached context: (out, lse) per query; with a
+    ``window``, over the context tokens within it of each query's position."""
     from pallas_kernels.paged_attention import paged_attention
     from pallas_kernels.tuning import target_for_backend
 
@@ -542,6 +562,8 @@ def _pallas_context(
         sm_scale=scale,
         k_scales=pool.k_scales[layer] if pool.quantized else None,
         v_scales=pool.v_scales[layer] if pool.quantized else None,
+        window=window,
+        query_positions=query_positions,
         return_lse=True,
         **target.paged_attention.kwargs(
             page_size=k_pages.shape[2],
