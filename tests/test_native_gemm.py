@@ -40,6 +40,29 @@ def test_products_match_a_float64_reference(m):
 
 
 @amx
+@pytest.mark.parametrize("m", [1, 17, 40])
+def test_bfloat16_output_and_the_swiglu_epilogue(m):
+    """bfloat16 output is the float32 product rounded to nearest even; a gate/up pair gives
+    silu(x W_gate) * (x W_up) in one product; q/k/v packed together give their concatenation."""
+    rng = np.random.default_rng(m)
+    x = jnp.asarray(rng.standard_normal((m, 64)), jnp.bfloat16)
+    wg, wu = (jnp.asarray(rng.standard_normal((64, 64)) * 0.2, jnp.bfloat16) for _ in range(2))
+    f32 = np.asarray(jax.jit(gemm.matmul)(x, gemm.pack(wg)))
+    bf16 = jax.jit(lambda x, w: gemm.matmul(x, w, jnp.bfloat16))(x, gemm.pack(wg))
+    assert bf16.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(bf16), np.asarray(jnp.asarray(f32, jnp.bfloat16)))
+    fused = gemm.pack_gate_up(wg, wu)
+    assert fused.out_features == 64
+    h = np.asarray(jax.jit(gemm.matmul)(x, fused))
+    gate, up = (np.asarray(x, np.float64) @ np.asarray(w, np.float64) for w in (wg, wu))
+    ref = gate / (1 + np.exp(-gate)) * up
+    np.testing.assert_allclose(h, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    wk = jnp.asarray(rng.standard_normal((64, 32)), jnp.bfloat16)
+    qkv = np.asarray(jax.jit(gemm.matmul)(x, gemm.pack_qkv(wg, wk, wu)))
+    np.testing.assert_array_equal(qkv[:, :64], f32)
+
+
+@amx
 def test_a_rows_product_does_not_depend_on_its_batch():
     """Each output is one dot product in a fixed order: a row gives the same bits alone, at
     another offset, or among 200 others (the engine's batch invariance rests on it)."""
@@ -64,25 +87,35 @@ def test_resolve_picks_xla_where_the_kernel_cannot_serve():
         assert gemm.resolve("auto", jnp.bfloat16) == "native"
 
 
-def test_pack_params_packs_projections_only():
-    """Projections that tile are packed; norms, 3-D expert stacks, a projection that does not
-    tile and the embedding stay; a tied embedding gains a packed lm_head."""
+def test_pack_params_fuses_and_packs_projections_only():
+    """q/k/v fuse into wqkv and a dense MLP's gate/up into w_gate_up where they tile; wo and
+    w_down are packed alone; norms, 3-D expert stacks, the router and the embedding stay; a
+    tied embedding gains a packed lm_head; a projection that does not tile stays unfused."""
     bf = jnp.bfloat16
-    layer = {
+    dense = {
         "attn_norm": jnp.ones(64, bf),
+        **{key: jnp.ones((64, 96), bf) for key in ("wq", "wk", "wv", "wo", "w_gate", "w_up")},
+        "w_down": jnp.ones((96, 64), bf),
+    }
+    moe = {
         "wq": jnp.ones((64, 96), bf),
-        "wk": jnp.ones((64, 40), bf),  # 40 outputs: does not tile
-        "w_gate": jnp.ones((4, 64, 32), bf),  # MoE experts: not a 2-D projection
+        "wk": jnp.ones((64, 40), bf),  # 40 outputs: does not tile, so no wqkv
+        "wv": jnp.ones((64, 96), bf),
+        "w_gate": jnp.ones((4, 64, 32), bf),  # experts: not 2-D projections
+        "w_up": jnp.ones((4, 64, 32), bf),
         "router": jnp.ones((64, 32), bf),
     }
-    params = {"embed": jnp.ones((128, 64), bf), "layers": [layer], "final_norm": jnp.ones(64, bf)}
+    params = {"embed": jnp.ones((128, 64), bf), "layers": [dense, moe]}
     packed = gemm.pack_params(params, tie_word_embeddings=True)
-    lp = packed["layers"][0]
-    assert isinstance(lp["wq"], gemm.PackedWeight) and lp["wq"].shape == (64, 96)
-    for key in ("attn_norm", "wk", "w_gate", "router"):
-        assert lp[key] is layer[key]
+    d, m = packed["layers"]
+    assert sorted(d) == ["attn_norm", "w_down", "w_gate_up", "wo", "wqkv"]
+    assert d["wqkv"].shape == (64, 288) and d["w_gate_up"].out_features == 96
+    assert isinstance(d["wo"], gemm.PackedWeight) and d["w_down"].shape == (96, 64)
+    assert "wqkv" not in m and m["wk"] is moe["wk"]
+    assert isinstance(m["wq"], gemm.PackedWeight)
+    for key in ("w_gate", "w_up", "router"):
+        assert m[key] is moe[key]
     assert packed["embed"] is params["embed"]
-    assert isinstance(packed["lm_head"], gemm.PackedWeight)
     assert packed["lm_head"].shape == (64, 128)
     assert "lm_head" not in gemm.pack_params(params, tie_word_embeddings=False)
 
@@ -100,7 +133,7 @@ def test_smollm2_bf16_through_the_kernel_matches_xla():
         ex = llm.engine.executor
         assert ex.gemm_backend == backend
         if backend == "native":
-            assert isinstance(ex.params["layers"][0]["wq"], gemm.PackedWeight)
+            assert isinstance(ex.params["layers"][0]["wqkv"], gemm.PackedWeight)
             hidden = jnp.asarray(np.random.default_rng(0).standard_normal((5, 576)), jnp.bfloat16)
             packed = compute_logits(ex.params, ex.cfg, hidden)
             plain = compute_logits(llm.params, ex.cfg, hidden)

@@ -137,6 +137,8 @@ def linear(x: jax.Array, w: jax.Array | QTensor, backend: str = "xla") -> jax.Ar
     """x [..., I] @ w [I, O] in x's dtype (accumulated in float32, see ``matmul``). A quantized
     weight is dequantized by XLA inside the step (``"xla"``) or tile by tile inside the Pallas
     quantized-matmul kernel (``"pallas*"``)."""
+    if isinstance(w, PackedWeight):  # the AMX kernel writes x's dtype itself
+        return packed_matmul(x, w, out_dtype=x.dtype)
     if not isinstance(w, QTensor):
         return matmul(x, w).astype(x.dtype)
     if not backend.startswith("pallas"):  # "xla", or "native" (attention only)

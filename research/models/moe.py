@@ -45,16 +45,28 @@ def route(
 
 
 def grouped_matmul(
-    lhs: jax.Array, rhs: jax.Array | QTensor, group_sizes: jax.Array, backend: str = "xla"
+    lhs: jax.Array,
+    rhs: jax.Array | QTensor,
+    group_sizes: jax.Array,
+    backend: str = "xla",
+    bias: jax.Array | None = None,
 ) -> jax.Array:
-    """lhs [R, Din] sorted by group, rhs [E, Din, Dout], group_sizes [E] -> [R, Dout].
+    """lhs [R, Din] sorted by group, rhs [E, Din, Dout], group_sizes [E] (+ bias [E, Dout] per
+    group, gpt-oss) -> [R, Dout]; rows past the groups are rows of no expert here.
 
     ``"xla"``: ``ragged_dot`` (on the dequantized experts when rhs is a QTensor); ``"pallas*"``:
-    the Pallas grouped-experts kernel, which dequantizes 4/8-bit experts tile by tile."""
+    the Pallas grouped-experts kernel, which dequantizes 4/8-bit experts tile by tile and adds
+    the bias to its float32 accumulator."""
     if not backend.startswith("pallas"):  # "xla", or "native" (attention only)
         if isinstance(rhs, QTensor):
             rhs = dequantize(rhs).astype(lhs.dtype)
-        return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype)
+        y = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype)
+        if bias is None:
+            return y
+        row_group = jnp.repeat(
+            jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=lhs.shape[0]
+        )
+        return y + bias[row_group].astype(y.dtype)
     from pallas_kernels.grouped_experts import grouped_experts
     from pallas_kernels.tuning import target_for_backend
 
@@ -63,7 +75,7 @@ def grouped_matmul(
         target.require_fp8(f"a {getattr(rhs, 'fmt', 'float')} weight")
     blocks = target.grouped_experts.kwargs(rhs.shape[-2], lhs.dtype)
     interpret = backend == "pallas_interpret"
-    return grouped_experts(lhs, rhs, group_sizes, **blocks, interpret=interpret)
+    return grouped_experts(lhs, rhs, group_sizes, bias=bias, **blocks, interpret=interpret)
 
 
 def moe_mlp(
@@ -136,18 +148,13 @@ def _experts(
     group_sizes = group_sizes.astype(jnp.int32)
 
     xs = x[token_of_row]  # [R, D]
-    gate = grouped_matmul(xs, w_gate, group_sizes, backend)  # [R, F]
-    up = grouped_matmul(xs, w_up, group_sizes, backend)
-    if biases is not None:
-        row_expert = jnp.minimum(flat_experts[order], num_experts - 1)  # [R]
-        gate = gate + biases[0][row_expert].astype(gate.dtype)
-        up = up + biases[1][row_expert].astype(up.dtype)
+    b_gate, b_up, b_down = biases if biases is not None else (None, None, None)
+    gate = grouped_matmul(xs, w_gate, group_sizes, backend, b_gate)  # [R, F]
+    up = grouped_matmul(xs, w_up, group_sizes, backend, b_up)
     if swiglu_limit is None:
         h = jax.nn.silu(gate) * up
     else:
         h = clamped_swiglu(gate, up, swiglu_limit, swiglu_alpha)
-    ys = grouped_matmul(h, w_down, group_sizes, backend)  # [R, D]
-    if biases is not None:
-        ys = ys + biases[2][row_expert].astype(ys.dtype)
+    ys = grouped_matmul(h, w_down, group_sizes, backend, b_down)  # [R, D]
     row_weight = jnp.where(here, weights.reshape(-1), 0.0)[order].astype(ys.dtype)  # [R]
     return jnp.zeros_like(x).at[token_of_row].add(ys * row_weight[:, None])

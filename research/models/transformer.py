@@ -137,8 +137,10 @@ class ContiguousKVCache:
 
 def _project(x: jax.Array, lp: Params, which: str, backend: str) -> jax.Array:
     """Attention projection ``w{which}`` (q, k, v or o), plus its bias if the layer has one."""
-    y = linear(x, lp[f"w{which}"], backend)
-    bias = lp.get(f"b{which}")
+    return _bias(linear(x, lp[f"w{which}"], backend), lp.get(f"b{which}"))
+
+
+def _bias(y: jax.Array, bias: jax.Array | None) -> jax.Array:
     return y if bias is None else y + bias.astype(y.dtype)
 
 
@@ -158,9 +160,13 @@ def _layer(
     e, h, kvh = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
 
     hidden = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q = _project(hidden, lp, "q", backend).reshape(b, t, h, e)
-    k = _project(hidden, lp, "k", backend).reshape(b, t, kvh, e)
-    v = _project(hidden, lp, "v", backend).reshape(b, t, kvh, e)
+    if "wqkv" in lp:  # q, k and v in one product (``research.native.gemm.pack_params``)
+        qkv = linear(hidden, lp["wqkv"], backend)
+        parts = jnp.split(qkv, [h * e, (h + kvh) * e], axis=-1)
+        q, k, v = (_bias(y, lp.get(f"b{w}")) for y, w in zip(parts, "qkv", strict=True))
+    else:
+        q, k, v = (_project(hidden, lp, w, backend) for w in "qkv")
+    q, k, v = q.reshape(b, t, h, e), k.reshape(b, t, kvh, e), v.reshape(b, t, kvh, e)
     if cfg.qk_norm:  # Qwen3: RMSNorm over each head's vector, before RoPE
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
@@ -192,6 +198,8 @@ def _layer(
             swiglu_limit=cfg.swiglu_limit,
             swiglu_alpha=cfg.swiglu_alpha,
         ).reshape(b, t, d)
+    elif "w_gate_up" in lp:  # silu(gate) * up in the product's epilogue (packed weights)
+        mlp = linear(linear(hidden, lp["w_gate_up"], backend), lp["w_down"], backend)
     else:
         mlp = swiglu(hidden, lp["w_gate"], lp["w_up"], lp["w_down"], backend)
     return x + mlp, cache

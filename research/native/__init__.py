@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / "paged_attention.cc", _HERE / "gemm.cc"]
-_HEADERS = [_HERE / "parallel.h"]
+_HEADERS = [_HERE / "parallel.h", _HERE / "vec_math.h"]
 _TARGET = "research_paged_attention"
 _GEMM_TARGET = "research_gemm_bf16"
 _PACKED_TARGET = "research_packed_attention"

@@ -8,7 +8,9 @@
 //   w [N/32, K/32, 2, 16, 32] bfloat16, the weight W [K, N] packed once at load time into
 //                        AMX's B-tile layout, each 32-column panel one contiguous stream:
 //                        w[g, kb, t, r, 2c + j] = W[32 kb + 2 r + j, 32 g + 16 t + c]
-//   -> y [M, N] float32  (products accumulated in float32 by the tile unit)
+//   -> y [M, N] float32 or bfloat16 (products accumulated in float32 by the tile unit); with
+//      the swiglu epilogue, y [M, N / 2] = silu(gate) * up for a gate/up weight packed with
+//      each 32-column panel holding 16 gate columns and then the same 16 up columns
 //
 // Each output element is one dot product over k in a fixed order (32 at a time, k ascending),
 // whatever M is and wherever the row sits in x: rows are batch-invariant.
@@ -27,20 +29,56 @@
 #endif
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstdint>
 
 #include "parallel.h"
+#include "vec_math.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+// Where a panel's products go: y [m, n] (epilogue none) or, for a gate/up weight whose panels
+// hold 16 gate columns then the same 16 up columns, y [m, n / 2] = silu(gate) * up; float32 or
+// bfloat16 (rounded to nearest even).
+struct Output {
+  void* y;
+  bool bf16;
+  bool swiglu;
+  int64_t cols;  // y's row length
+
+  // scratch [rows, 32] float32: panel g's products for rows m0 .. m0 + rows.
+  void write(const float* scratch, int rows, int64_t m0, int64_t g) const {
+    using research_native::v16;
+    using research_native::v16u;
+    for (int r = 0; r < rows; ++r) {
+      const float* c = scratch + r * 32;
+      if (swiglu) {
+        const v16 gate = *reinterpret_cast<const v16*>(c);
+        const v16 up = *reinterpret_cast<const v16*>(c + 16);
+        store(research_native::silu16(gate) * up, (m0 + r) * cols + g * 16);
+      } else {
+        store(*reinterpret_cast<const v16*>(c), (m0 + r) * cols + g * 32);
+        store(*reinterpret_cast<const v16*>(c + 16), (m0 + r) * cols + g * 32 + 16);
+      }
+    }
+  }
+
+  void store(research_native::v16 v, int64_t offset) const {
+    if (bf16) {
+      uint16_t* dst = static_cast<uint16_t*>(y) + offset;
+      for (int i = 0; i < 16; ++i) dst[i] = research_native::to_bf16(v[i]);
+    } else {
+      *reinterpret_cast<research_native::v16u*>(static_cast<float*>(y) + offset) = v;
+    }
+  }
+};
+
 #ifdef RESEARCH_AMX
 
 constexpr int64_t kRowsPerUnit = 128;
-static int kPrefetchAhead = getenv("RPF") ? atoi(getenv("RPF")) : 4;
+constexpr int64_t kPrefetchAhead = 4;  // k blocks (2 KB each) of the weight stream ahead
 
 // The CPU has AMX-TILE and AMX-BF16 and the kernel granted this process the tile state.
 bool amx_ready() {
@@ -79,17 +117,18 @@ inline void prefetch(const uint16_t* b) {
   for (int i = 0; i < 2048; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
 }
 
-// y[0:32, 0:32] = x[0:32, :] @ W[:, 32 columns]: b is the column pair's stream of k blocks
-// (2 tiles of 16 x 32 each, 2 KB).
+// c[0:32, 0:32] = x[0:32, :] @ W[:, 32 columns]: b is the column pair's stream of k blocks
+// (2 tiles of 16 x 32 each, 2 KB); c is a [32, 32] float32 scratch.
 void block32(const uint16_t* a, int64_t lda_bytes, const uint16_t* b, int64_t kbs, float* c,
-             int64_t ldc_bytes, bool stream) {
+             bool stream) {
+  constexpr int64_t ldc_bytes = 32 * 4;
   const uint16_t* a1 = a + 16 * lda_bytes / 2;
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t kb = 0; kb < kbs; ++kb) {
-    if (stream && kPrefetchAhead) prefetch(b + (kb + kPrefetchAhead) * 1024);
+    if (stream) prefetch(b + (kb + kPrefetchAhead) * 1024);
     _tile_loadd(4, a + kb * 32, lda_bytes);
     _tile_loadd(6, b + kb * 1024, 64);
     _tile_loadd(7, b + kb * 1024 + 512, 64);
@@ -99,7 +138,7 @@ void block32(const uint16_t* a, int64_t lda_bytes, const uint16_t* b, int64_t kb
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
   }
-  float* c1 = c + 16 * ldc_bytes / 4;
+  float* c1 = c + 16 * 32;
   _tile_stored(0, c, ldc_bytes);
   _tile_stored(1, c + 16, ldc_bytes);
   _tile_stored(2, c1, ldc_bytes);
@@ -108,11 +147,12 @@ void block32(const uint16_t* a, int64_t lda_bytes, const uint16_t* b, int64_t kb
 
 // The same for the configured tail of mr < 32 rows, 16 at a time.
 void block_tail(const uint16_t* a, int64_t lda_bytes, const uint16_t* b, int64_t kbs, float* c,
-                int64_t ldc_bytes, bool stream) {
+                bool stream) {
+  constexpr int64_t ldc_bytes = 32 * 4;
   _tile_zero(0);
   _tile_zero(1);
   for (int64_t kb = 0; kb < kbs; ++kb) {
-    if (stream && kPrefetchAhead) prefetch(b + (kb + kPrefetchAhead) * 1024);
+    if (stream) prefetch(b + (kb + kPrefetchAhead) * 1024);
     _tile_loadd(4, a + kb * 32, lda_bytes);
     _tile_loadd(6, b + kb * 1024, 64);
     _tile_loadd(7, b + kb * 1024 + 512, 64);
@@ -123,12 +163,14 @@ void block_tail(const uint16_t* a, int64_t lda_bytes, const uint16_t* b, int64_t
   _tile_stored(1, c + 16, ldc_bytes);
 }
 
-// y [m, n] = x [m, k] @ W, W packed (see the top of this file).
+// y [m, n] = x [m, k] @ W, W packed (see the top of this file); each 32-column panel's float32
+// products land in a scratch block and the epilogue writes them out.
 void gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const uint16_t* xp,
-          const uint16_t* wp, float* yp) {
+          const uint16_t* wp, const Output& out) {
   const int64_t groups = n / 32, kbs = k / 32;
   const int64_t row_units = (m + kRowsPerUnit - 1) / kRowsPerUnit;
   auto run = [=](int64_t begin, int64_t end) {
+    alignas(64) float scratch[32 * 32];
     int configured = -1;
     for (int64_t u = begin; u < end; ++u) {
       const int64_t g = u % groups;
@@ -139,12 +181,14 @@ void gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const uint16_t
       // The first pass over a panel streams it from memory: prefetch ahead of the loads.
       for (; m0 + 32 <= m_end; m0 += 32) {
         if (configured != 0) configure(configured = 0);
-        block32(xp + m0 * k, k * 2, b, kbs, yp + m0 * n + g * 32, n * 4, m0 == m_begin);
+        block32(xp + m0 * k, k * 2, b, kbs, scratch, m0 == m_begin);
+        out.write(scratch, 32, m0, g);
       }
       for (; m0 < m_end; m0 += 16) {
         const int mr = static_cast<int>(std::min<int64_t>(16, m_end - m0));
         if (configured != mr) configure(configured = mr);
-        block_tail(xp + m0 * k, k * 2, b, kbs, yp + m0 * n + g * 32, n * 4, m0 == m_begin);
+        block_tail(xp + m0 * k, k * 2, b, kbs, scratch, m0 == m_begin);
+        out.write(scratch, mr, m0, g);
       }
     }
     if (configured >= 0) _tile_release();
@@ -155,23 +199,31 @@ void gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const uint16_t
 #else  // no AMX in this build: the Python side never routes here (ResearchAmxReady() is 0)
 
 bool amx_ready() { return false; }
-void gemm(ffi::ThreadPool&, int64_t, int64_t, int64_t, const uint16_t*, const uint16_t*, float*) {}
+void gemm(ffi::ThreadPool&, int64_t, int64_t, int64_t, const uint16_t*, const uint16_t*,
+          const Output&) {}
 
 #endif
 
 ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                    ffi::ResultBuffer<ffi::F32> y) {
+                    int32_t epilogue, ffi::Result<ffi::AnyBuffer> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto yd = y->dimensions();
+  const bool swiglu = epilogue == 1;
   if (xd.size() != 2 || wd.size() != 5 || yd.size() != 2 || wd[2] != 2 || wd[3] != 16 ||
-      wd[4] != 32 || xd[1] != wd[1] * 32 || yd[0] != xd[0] || yd[1] != wd[0] * 32) {
+      wd[4] != 32 || xd[1] != wd[1] * 32 || yd[0] != xd[0] ||
+      yd[1] != wd[0] * (swiglu ? 16 : 32) || epilogue < 0 || epilogue > 1) {
     return ffi::Error::InvalidArgument("gemm_bf16: inconsistent shapes");
+  }
+  const auto type = y->element_type();
+  if (type != ffi::DataType::F32 && type != ffi::DataType::BF16) {
+    return ffi::Error::InvalidArgument("gemm_bf16: the output must be float32 or bfloat16");
   }
   if (!amx_ready()) return ffi::Error::Internal("gemm_bf16: this CPU has no usable AMX-BF16");
   if (xd[0] > 0) {
-    gemm(pool, xd[0], xd[1], yd[1], reinterpret_cast<const uint16_t*>(x.untyped_data()),
-         reinterpret_cast<const uint16_t*>(w.untyped_data()), y->typed_data());
+    const Output out{y->untyped_data(), type == ffi::DataType::BF16, swiglu, yd[1]};
+    gemm(pool, xd[0], xd[1], wd[0] * 32, reinterpret_cast<const uint16_t*>(x.untyped_data()),
+         reinterpret_cast<const uint16_t*>(w.untyped_data()), out);
   }
   return ffi::Error::Success();
 }
@@ -185,4 +237,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmBf16, GemmImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Attr<int32_t>("epilogue")
+                                  .Ret<ffi::AnyBuffer>());

@@ -19,12 +19,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from research import native
 
 # Per-layer projection weights the packed path serves ([in, out] matrices multiplied by
-# ``layers.linear``); anything else in a layer (norms, biases, sinks, MoE expert stacks, the
-# router) stays as it is.
+# ``layers.linear``; q/k/v and gate/up are fused first where they tile); anything else in a
+# layer (norms, biases, sinks, MoE expert stacks, the router) stays as it is.
 PACKED_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 GEMM_BACKENDS = ("auto", "xla", "native")
 
@@ -38,6 +39,12 @@ class PackedWeight:
 
     packed: jax.Array
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+    # "swiglu": a gate/up pair (``pack_gate_up``) whose product is silu(gate) * up, [K, N / 2]
+    epilogue: str = dataclasses.field(default="", metadata=dict(static=True))
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[1] // 2 if self.epilogue == "swiglu" else self.shape[1]
 
     @property
     def dtype(self) -> Any:
@@ -66,8 +73,25 @@ def pack(w: jax.Array, transposed: bool = False) -> PackedWeight:
     return PackedWeight(packed.reshape(n // 32, k // 32, 2, 16, 32), (k, n))
 
 
+def pack_gate_up(w_gate: jax.Array, w_up: jax.Array) -> PackedWeight:
+    """W_gate, W_up [K, F] -> one PackedWeight whose product is silu(x W_gate) * (x W_up) [.., F]:
+    each 32-column panel holds 16 gate columns then the same 16 up columns, and the kernel's
+    epilogue combines them."""
+    k, f = w_gate.shape
+    if w_up.shape != (k, f) or f % 16:
+        raise ValueError(f"gate {w_gate.shape} and up {w_up.shape} must match, F % 16 == 0")
+    both = jnp.stack([w_gate.reshape(k, f // 16, 16), w_up.reshape(k, f // 16, 16)], axis=2)
+    return dataclasses.replace(pack(both.reshape(k, 2 * f)), epilogue="swiglu")
+
+
+def pack_qkv(wq: jax.Array, wk: jax.Array, wv: jax.Array) -> PackedWeight:
+    """Wq, Wk, Wv [K, *] -> one PackedWeight over their concatenated columns (q, then k, v)."""
+    return pack(jnp.concatenate([wq, wk, wv], axis=1))
+
+
 def unpack(w: PackedWeight) -> jax.Array:
-    """PackedWeight -> W [K, N] bfloat16 (the inverse of ``pack``)."""
+    """PackedWeight -> W [K, N] bfloat16 (the inverse of ``pack``; a gate/up pair comes back
+    with its panels' columns interleaved as packed)."""
     k, n = w.shape
     six = w.packed.reshape(n // 32, k // 32, 2, 16, 16, 2)
     return six.transpose(1, 3, 5, 0, 2, 4).reshape(k, n)
@@ -105,39 +129,56 @@ def resolve(backend: str, dtype: Any, sharded: bool = False) -> str:
 
 
 def pack_params(params: dict, tie_word_embeddings: bool) -> dict:
-    """A model's params with every tiling bfloat16 projection packed; a tied embedding gains a
-    packed ``lm_head`` beside it (the lookup keeps reading ``embed``)."""
+    """A model's params with its bfloat16 projections packed: q, k and v as one ``wqkv``, a
+    dense MLP's gate and up as one ``w_gate_up`` (silu(gate) * up in the kernel's epilogue),
+    the others one by one; weights that do not tile stay. A tied embedding gains a packed
+    ``lm_head`` beside it (the lookup keeps reading ``embed``)."""
 
-    def maybe(w: Any, transposed: bool = False) -> Any:
-        if not isinstance(w, jax.Array) or w.ndim != 2 or w.dtype != jnp.bfloat16:
-            return w
-        k, n = (w.shape[1], w.shape[0]) if transposed else w.shape
-        return pack(w, transposed) if tiles(k, n) else w
+    def fits(*ws: Any, transposed: bool = False) -> bool:
+        for w in ws:
+            if not isinstance(w, jax.Array) or w.ndim != 2 or w.dtype != jnp.bfloat16:
+                return False
+            k, n = (w.shape[1], w.shape[0]) if transposed else w.shape
+            if not tiles(k, n):
+                return False
+        return True
+
+    def layer(lp: dict) -> dict:
+        out = dict(lp)
+        qkv = [lp.get(key) for key in ("wq", "wk", "wv")]
+        if fits(*qkv):
+            out["wqkv"] = pack_qkv(*qkv)
+            for key in ("wq", "wk", "wv"):
+                del out[key]
+        gate, up = lp.get("w_gate"), lp.get("w_up")
+        if fits(gate, up):
+            out["w_gate_up"] = pack_gate_up(gate, up)
+            del out["w_gate"], out["w_up"]
+        for key in PACKED_KEYS:
+            if key in out and fits(out[key]):
+                out[key] = pack(out[key])
+        return out
 
     out = dict(params)
-    out["layers"] = [
-        {key: maybe(v) if key in PACKED_KEYS else v for key, v in lp.items()}
-        for lp in params["layers"]
-    ]
-    if "lm_head" in params:
-        out["lm_head"] = maybe(params["lm_head"])
-    elif tie_word_embeddings:
-        head = maybe(params["embed"], transposed=True)
-        if isinstance(head, PackedWeight):
-            out["lm_head"] = head
+    out["layers"] = [layer(lp) for lp in params["layers"]]
+    if "lm_head" in params and fits(params["lm_head"]):
+        out["lm_head"] = pack(params["lm_head"])
+    elif "lm_head" not in params and tie_word_embeddings and fits(params["embed"], transposed=True):
+        out["lm_head"] = pack(params["embed"], transposed=True)
     return out
 
 
-def matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
-    """x [..., K] @ W [K, N] -> float32 [..., N] through the AMX kernel."""
+def matmul(x: jax.Array, w: PackedWeight, out_dtype: Any = jnp.float32) -> jax.Array:
+    """x [..., K] @ W [K, N] -> [..., N] in ``out_dtype`` (float32 or bfloat16; accumulated in
+    float32) through the AMX kernel; a gate/up pair gives silu(gate) * up [..., N / 2]."""
     if not native.available():  # builds and registers the library on first use
         raise RuntimeError(f"native gemm unavailable: {native.build_error()}")
-    k, n = w.shape
+    k = w.shape[0]
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features; the packed weight takes {k}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(jnp.bfloat16)
-    call = jax.ffi.ffi_call(
-        native._GEMM_TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32)
-    )
-    return call(x2, w.packed).reshape(*lead, n)
+    out = jax.ShapeDtypeStruct((x2.shape[0], w.out_features), jnp.dtype(out_dtype))
+    call = jax.ffi.ffi_call(native._GEMM_TARGET, out)
+    epilogue = np.int32(1 if w.epilogue == "swiglu" else 0)
+    return call(x2, w.packed, epilogue=epilogue).reshape(*lead, w.out_features)

@@ -24,11 +24,17 @@
 #include <vector>
 
 #include "parallel.h"
+#include "vec_math.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using research_native::exp_nonpositive16;
+using research_native::v16;
+using research_native::v16i;
+using research_native::v16u;
 
 // Converts `count` contiguous page elements to float32.
 inline void load(const void* pages, bool bf16, int64_t offset, int64_t count, float* dst) {
@@ -229,28 +235,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
 //   -> out [N, H, E] float32 (0 for tokens of no row)
 
 constexpr int64_t kQueryBlock = 16;
-typedef float v16 __attribute__((vector_size(64)));  // 16 float32 lanes (GCC/Clang vectors)
-typedef float v16u __attribute__((vector_size(64), aligned(4)));  // the same, unaligned
-typedef int32_t v16i __attribute__((vector_size(64)));
 
-// exp_nonpositive on 16 lanes at once (the same polynomial and exponent trick).
-inline v16 exp_nonpositive16(v16 x) {
-  const v16 clamped = x < -87.0f ? v16{} - 87.0f : x;
-  const v16 t = clamped * 1.44269504088896341f + 0.5f;
-  v16i ni = __builtin_convertvector(t, v16i);  // truncates toward zero: fix up to floor
-  ni += (__builtin_convertvector(ni, v16) > t);  // a true lane is -1
-  const v16 n = __builtin_convertvector(ni, v16);
-  const v16 r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
-  const v16 z = r * r;
-  v16 y = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * z + r + 1.0f;
-  const v16 scale = reinterpret_cast<v16>((ni + 127) << 23);
-  return x < -87.0f ? v16{} : y * scale;
-}
 constexpr int64_t kChunk = 16;  // keys per chunk (one float32 vector of scores per query)
 
 struct PackedShapes {
