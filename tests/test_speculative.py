@@ -288,7 +288,7 @@ def _tiny_engine(tiny, speculative_config=None, **kwargs):
             num_kv_blocks=kwargs.pop("num_kv_blocks", 96),
             enable_prefix_caching=kwargs.pop("enable_prefix_caching", True),
         ),
-        scheduler_config=SchedulerConfig(max_num_seqs=4),
+        scheduler_config=SchedulerConfig(max_num_seqs=kwargs.pop("max_num_seqs", 4)),
         max_model_len=128,
         speculative_config=speculative_config,
         **kwargs,
@@ -326,23 +326,71 @@ def test_greedy_outputs_identical_with_ngram_speculation(tiny, tiny_reference):
     engine.block_manager.check_invariants([])
 
 
+# Sixteen requests of 47 to 60 tokens (prompt + 30 generated): the repetitive prompts (drafts
+# from n-gram lookup) and others, each shifted so no two are the same.
+PRESSURE_PROMPTS = [[t + 40 * (i // 4) for t in p] for i, p in enumerate(TINY_PROMPTS * 4)]
+PRESSURE_TOKENS = 30
+PRESSURE_POOL = 20  # blocks of 4 tokens: one request (15 blocks at most) fits, sixteen do not
+
+
+@pytest.fixture(scope="module")
+def pressure_reference(tiny):
+    engine = _tiny_engine(tiny, max_num_seqs=16, num_kv_blocks=512)
+    sps = [_greedy(PRESSURE_TOKENS)] * len(PRESSURE_PROMPTS)
+    return engine.generate(PRESSURE_PROMPTS, sps)
+
+
 @pytest.mark.slow
-def test_speculation_under_memory_pressure_loses_nothing(tiny, tiny_reference):
-    """A pool of 24 blocks for a demand of 60: preemption by recompute (prefix-cache hits on
-    the accepted tokens' blocks when a request resumes), in a NaN-poisoned pool."""
-    engine = _tiny_engine(tiny, NGRAM, num_kv_blocks=24, poison_freed_blocks=True)
-    outputs = engine.generate(TINY_PROMPTS, [_greedy()] * len(TINY_PROMPTS))
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_under_memory_pressure_loses_nothing(tiny, pressure_reference, method):
+    """A pool ten times smaller than the demand: 20 blocks for sixteen concurrent requests that
+    need 208 (a pool can be no smaller than one request, so the requests are sized to fit one
+    at a time while the sixteen together ask for more than ten pools). Preemption by
+    recompute (prefix-cache hits on the accepted tokens' blocks when a request resumes), in a
+    pool whose freed blocks are refilled with NaN; greedy outputs equal the unconstrained
+    run's, with drafts from n-gram lookup or from a draft model with perturbed weights."""
+    from research.models.transformer import init_params
+
+    cfg, params = tiny
+    block_size = 4
+    demand = sum(-(-(len(p) + PRESSURE_TOKENS) // block_size) for p in PRESSURE_PROMPTS)
+    assert demand >= 10 * PRESSURE_POOL
+    assert max(len(p) + PRESSURE_TOKENS for p in PRESSURE_PROMPTS) <= PRESSURE_POOL * block_size
+    if method == "ngram":
+        spec, draft = NGRAM, None
+    else:
+        spec = {"model": "tiny-llama", "num_speculative_tokens": 3}
+        # The target's weights plus a little of another seed's: drafts often accepted, not always.
+        other = init_params(cfg, jax.random.key(7))
+        draft = (cfg, jax.tree_util.tree_map(lambda a, b: a + 0.5 * b, params, other))
+    engine = _tiny_engine(
+        tiny,
+        spec,
+        max_num_seqs=16,
+        num_kv_blocks=PRESSURE_POOL,
+        poison_freed_blocks=True,
+        draft_model=draft,
+    )
+    sps = [_greedy(PRESSURE_TOKENS)] * len(PRESSURE_PROMPTS)
+    outputs = engine.generate(PRESSURE_PROMPTS, sps)
     s = engine.stats()
     print(
-        f"\nmemory pressure: {s['num_preemptions']} preemptions, prefix-cache hit rate "
-        f"{s['prefix_cache_hit_rate']:.2f}, {s['spec_num_accepted_tokens']} drafts accepted"
+        f"\nmemory pressure ({method}, pool {PRESSURE_POOL} blocks, demand {demand}): "
+        f"{s['num_preemptions']} preemptions, prefix-cache hit rate "
+        f"{s['prefix_cache_hit_rate']:.2f}, {s['spec_num_accepted_tokens']} of "
+        f"{s['spec_num_draft_tokens']} drafts accepted, {s['num_steps']} steps"
     )
     assert s["num_preemptions"] > 0
     assert s["prefix_cache_hit_rate"] > 0  # resumed requests reuse their accepted blocks
     assert s["spec_num_accepted_tokens"] > 0
-    assert [o.token_ids for o in outputs] == [o.token_ids for o in tiny_reference]
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in pressure_reference]
     assert all(o.finish_reason == "length" for o in outputs)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.block_manager.check_invariants([])
+    if draft is not None:
+        assert not engine.proposer.shadows
+        draft_pool = engine.proposer.block_manager
+        assert draft_pool.num_free_blocks == draft_pool.num_blocks
 
 
 def test_sampled_speculation_stops_and_logprob_requests_decode_plainly(tiny):
