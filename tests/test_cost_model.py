@@ -310,3 +310,44 @@ def test_simulated_expert_parallel_splits_experts_not_their_width():
     )  # fmt: skip
     split = llm.engine.executor.cost_model.split
     assert split.expert_parallel and split.ways("experts") == 2 and split.ways("expert_ffn") == 1
+
+
+def test_speculation_gain_falls_once_compute_binds_and_crosses_below_one():
+    """GB10, Qwen3-Coder-30B-A3B AWQ, k = 4, decode at 640 cached tokens: plain decode is memory
+    bound at every concurrency (expert weights, then K/V reads). The verify step reads the
+    same bytes once for k + 1 positions but runs k + 1 times the GEMM FLOPs, so its expert
+    GEMMs turn compute bound as the batch grows; from there the per-token gain falls
+    monotonically with concurrency, the break-even acceptance rises, and at acceptance 0.5 the
+    gain drops below 1 (the crossover) and stays there. The structure, not the figures."""
+    from research.perf.speculation import (
+        break_even_acceptance,
+        speculation_points,
+        tokens_per_step,
+    )
+
+    cm = CostModel("qwen3-coder-30b-a3b", "awq", "gb10")
+    concurrencies = [1, 8, 32, 64, 128, 256, 512, 1024, 2048]
+    points = speculation_points(cm, 4, 0.5, concurrencies)
+    assert all(p.plain_binding.endswith("(memory)") for p in points)
+    compute = [p for p in points if p.spec_binding == "expert_gemm (compute)"]
+    assert compute and compute[-1].concurrency == 2048  # binds from some batch on, for good
+    assert all(p.spec_binding.endswith("(memory)") for p in points[: -len(compute)])
+    gains = [p.gain for p in compute]
+    assert all(a > b for a, b in itertools.pairwise(gains)), gains
+    breaks = [p.break_even_acceptance for p in compute]
+    assert all(a < b for a, b in itertools.pairwise(breaks)), breaks
+    # The crossover at a = 0.5: gains above 1 before it, below 1 from it on.
+    below = [p.gain < 1 for p in points]
+    assert not below[0] and below[-1]
+    first = below.index(True)
+    assert all(below[first:]) and not any(below[:first])
+    # The break-even acceptance is where the gain is 1.
+    p = compute[-1]
+    at_break = speculation_points(cm, 4, p.break_even_acceptance, [p.concurrency])[0]
+    assert at_break.gain == pytest.approx(1.0, rel=1e-6)
+    assert tokens_per_step(4, 0.7) == pytest.approx(1 + 0.7 + 0.7**2 + 0.7**3 + 0.7**4)
+    assert break_even_acceptance(4, 0.9) == 0.0 and break_even_acceptance(4, 5.0) == 1.0
+    with pytest.raises(ValueError, match="acceptance"):
+        tokens_per_step(4, 1.5)
+    with pytest.raises(ValueError, match="concurrency"):
+        speculation_points(cm, 4, 0.5, [0])

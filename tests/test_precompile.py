@@ -131,3 +131,52 @@ print(json.dumps(len(misses)))
     assert run() > 0  # cold: every executable compiled and written
     assert any(tmp_path.iterdir())
     assert run() == 0  # warm: none missed
+
+
+@pytest.mark.slow
+def test_speculative_serving_on_covers_never_compiles_a_verification_in_a_step():
+    """With n-gram drafts, ``precompile_covers`` also compiles ``verify_step`` at one cover per
+    row bucket: a verification of a new shape then runs padded to its cover while its own shape
+    compiles in the background, as the step's calls do. No step traces (compiles) the model or
+    the verification, and the greedy tokens equal those of an engine that compiled every shape
+    in the step."""
+    from research import SamplingParams
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+
+    def make() -> LLM:
+        return LLM(
+            "tiny-llama",
+            max_model_len=256,
+            max_num_seqs=8,
+            max_num_batched_tokens=128,
+            speculative_config=spec,
+        )
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 40) for _ in range(rng.randint(3, 12))] * 3 for _ in range(10)]
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    jax.clear_caches()  # shapes traced by earlier tests would not be traced again
+
+    llm = make()
+    executor = llm.engine.executor
+    covers, verify_covers = executor.cover_shapes(), executor.verify_cover_shapes()
+    assert [(r, t) for _, r, t, _ in verify_covers] == [(r, 4) for r in (1, 2, 4, 8)]
+    assert executor.precompile_covers() == len(covers) + len(verify_covers)
+    compilations = llm.engine.num_compilations
+    verify_traces = executor_module.VERIFY_TRACES[0]
+    step_traces = executor_module.STEP_TRACES[0]
+    got = [o.token_ids for o in llm.generate(prompts, sp)]
+    executor._compiler.shutdown(wait=True)  # let the background compiles finish
+    assert llm.engine.stats()["spec_num_draft_tokens"] > 0
+    # every trace since the covers came from a background compile, none from a step
+    verify_background = len(executor._verify_compiled) - len(verify_covers)
+    step_background = len(executor._background) - len(covers)
+    assert verify_background > 0 and executor.covered_calls > 0
+    assert executor_module.VERIFY_TRACES[0] - verify_traces == verify_background
+    assert executor_module.STEP_TRACES[0] - step_traces == step_background
+    assert llm.engine.num_compilations - compilations == verify_background + step_background
+    expected = [o.token_ids for o in make().generate(prompts, sp)]
+    assert got == expected
+    # Again, now on the shapes compiled in the background.
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == expected

@@ -1,5 +1,6 @@
-"""Speculative decoding: the n-gram proposer, the rejection sampler's output distribution, and
-the engine verifying drafts in its step (greedy outputs unchanged, rollback of rejected slots,
+"""Speculative decoding: the n-gram proposer, the rejection sampler's output distribution (alone
+and through the engine, against the target's exact distribution), and the engine verifying
+drafts in its step (greedy outputs unchanged, rollback of rejected slots,
 preemption under a small pool, metrics)."""
 
 from __future__ import annotations
@@ -287,7 +288,7 @@ def _tiny_engine(tiny, speculative_config=None, **kwargs):
             num_kv_blocks=kwargs.pop("num_kv_blocks", 96),
             enable_prefix_caching=kwargs.pop("enable_prefix_caching", True),
         ),
-        scheduler_config=SchedulerConfig(max_num_seqs=4),
+        scheduler_config=SchedulerConfig(max_num_seqs=kwargs.pop("max_num_seqs", 4)),
         max_model_len=128,
         speculative_config=speculative_config,
         **kwargs,
@@ -325,23 +326,71 @@ def test_greedy_outputs_identical_with_ngram_speculation(tiny, tiny_reference):
     engine.block_manager.check_invariants([])
 
 
+# Sixteen requests of 47 to 60 tokens (prompt + 30 generated): the repetitive prompts (drafts
+# from n-gram lookup) and others, each shifted so no two are the same.
+PRESSURE_PROMPTS = [[t + 40 * (i // 4) for t in p] for i, p in enumerate(TINY_PROMPTS * 4)]
+PRESSURE_TOKENS = 30
+PRESSURE_POOL = 20  # blocks of 4 tokens: one request (15 blocks at most) fits, sixteen do not
+
+
+@pytest.fixture(scope="module")
+def pressure_reference(tiny):
+    engine = _tiny_engine(tiny, max_num_seqs=16, num_kv_blocks=512)
+    sps = [_greedy(PRESSURE_TOKENS)] * len(PRESSURE_PROMPTS)
+    return engine.generate(PRESSURE_PROMPTS, sps)
+
+
 @pytest.mark.slow
-def test_speculation_under_memory_pressure_loses_nothing(tiny, tiny_reference):
-    """A pool of 24 blocks for a demand of 60: preemption by recompute (prefix-cache hits on
-    the accepted tokens' blocks when a request resumes), in a NaN-poisoned pool."""
-    engine = _tiny_engine(tiny, NGRAM, num_kv_blocks=24, poison_freed_blocks=True)
-    outputs = engine.generate(TINY_PROMPTS, [_greedy()] * len(TINY_PROMPTS))
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_under_memory_pressure_loses_nothing(tiny, pressure_reference, method):
+    """A pool ten times smaller than the demand: 20 blocks for sixteen concurrent requests that
+    need 208 (a pool can be no smaller than one request, so the requests are sized to fit one
+    at a time while the sixteen together ask for more than ten pools). Preemption by
+    recompute (prefix-cache hits on the accepted tokens' blocks when a request resumes), in a
+    pool whose freed blocks are refilled with NaN; greedy outputs equal the unconstrained
+    run's, with drafts from n-gram lookup or from a draft model with perturbed weights."""
+    from research.models.transformer import init_params
+
+    cfg, params = tiny
+    block_size = 4
+    demand = sum(-(-(len(p) + PRESSURE_TOKENS) // block_size) for p in PRESSURE_PROMPTS)
+    assert demand >= 10 * PRESSURE_POOL
+    assert max(len(p) + PRESSURE_TOKENS for p in PRESSURE_PROMPTS) <= PRESSURE_POOL * block_size
+    if method == "ngram":
+        spec, draft = NGRAM, None
+    else:
+        spec = {"model": "tiny-llama", "num_speculative_tokens": 3}
+        # The target's weights plus a little of another seed's: drafts often accepted, not always.
+        other = init_params(cfg, jax.random.key(7))
+        draft = (cfg, jax.tree_util.tree_map(lambda a, b: a + 0.5 * b, params, other))
+    engine = _tiny_engine(
+        tiny,
+        spec,
+        max_num_seqs=16,
+        num_kv_blocks=PRESSURE_POOL,
+        poison_freed_blocks=True,
+        draft_model=draft,
+    )
+    sps = [_greedy(PRESSURE_TOKENS)] * len(PRESSURE_PROMPTS)
+    outputs = engine.generate(PRESSURE_PROMPTS, sps)
     s = engine.stats()
     print(
-        f"\nmemory pressure: {s['num_preemptions']} preemptions, prefix-cache hit rate "
-        f"{s['prefix_cache_hit_rate']:.2f}, {s['spec_num_accepted_tokens']} drafts accepted"
+        f"\nmemory pressure ({method}, pool {PRESSURE_POOL} blocks, demand {demand}): "
+        f"{s['num_preemptions']} preemptions, prefix-cache hit rate "
+        f"{s['prefix_cache_hit_rate']:.2f}, {s['spec_num_accepted_tokens']} of "
+        f"{s['spec_num_draft_tokens']} drafts accepted, {s['num_steps']} steps"
     )
     assert s["num_preemptions"] > 0
     assert s["prefix_cache_hit_rate"] > 0  # resumed requests reuse their accepted blocks
     assert s["spec_num_accepted_tokens"] > 0
-    assert [o.token_ids for o in outputs] == [o.token_ids for o in tiny_reference]
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in pressure_reference]
     assert all(o.finish_reason == "length" for o in outputs)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.block_manager.check_invariants([])
+    if draft is not None:
+        assert not engine.proposer.shadows
+        draft_pool = engine.proposer.block_manager
+        assert draft_pool.num_free_blocks == draft_pool.num_blocks
 
 
 def test_sampled_speculation_stops_and_logprob_requests_decode_plainly(tiny):
@@ -593,3 +642,161 @@ def test_serve_cli_takes_vllms_speculative_config_json(capsys):
     with pytest.raises(SystemExit):
         main(["tiny-llama", "--speculative-config", bad])
     assert "method must be one of" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- exactness through the engine
+
+STAT_VOCAB = 16
+STAT_SETTINGS = {"temperature": 0.9, "top_k": 5, "top_p": 0.85}
+# Every token appears in the prompt, so n-gram lookup always finds a match to draft from.
+STAT_PROMPT = [9, 4, 13, 0, 6, 11, 2, 15, 7, 1, 12, 5, 10, 3, 14, 8]
+STAT_TOKENS = 4  # the first comes from the prefill; the next three pass through verification
+
+
+def _stat_models(noise: float):
+    """tiny-llama with a 16-token vocabulary, its head scaled so the next-token distributions
+    are far from uniform (random init gives logits of std ~0.2), and a draft model: the same
+    weights plus ``noise`` times those of another seed, so its drafts are often rejected but
+    not always."""
+    import dataclasses
+
+    from research.models.presets import get_preset
+    from research.models.transformer import init_params
+
+    cfg = dataclasses.replace(get_preset("tiny-llama"), vocab_size=STAT_VOCAB)
+
+    def peaked(params):
+        return {**params, "lm_head": params["lm_head"] * 10.0}
+
+    target = init_params(cfg, jax.random.key(0))
+    other = init_params(cfg, jax.random.key(7))
+    draft = jax.tree_util.tree_map(lambda a, b: a + noise * b, target, other)
+    return (cfg, peaked(target)), (cfg, peaked(draft))
+
+
+def _exact_joint(
+    model, settings, length: int, margin: float | None = 1e-4
+) -> dict[tuple[int, ...], float]:
+    """P(first ``length`` generated tokens) after STAT_PROMPT, from the model's own logits: a
+    plain forward pass over every prefix in the support, each next-token distribution
+    processed by ``_reference_probs``. Refuses a setup where a cumulative mass sits within
+    ``margin`` of top_p (float32 and float64 could then keep different nuclei); None skips
+    that check (for the deliberately wrong distributions)."""
+    from research.models.transformer import ContiguousKVCache, compute_logits, forward
+
+    cfg, params = model
+    joint = {(): 1.0}
+    for _ in range(length):
+        prefixes = list(joint)
+        seqs = np.array([STAT_PROMPT + list(p) for p in prefixes], np.int32)
+        b, t = seqs.shape
+        hidden, _ = forward(
+            params,
+            cfg,
+            jnp.asarray(seqs),
+            jnp.broadcast_to(jnp.arange(t), (b, t)),
+            ContiguousKVCache.create(cfg, b, t),
+        )
+        logits = np.asarray(compute_logits(params, cfg, hidden[:, -1]))
+        nxt = {}
+        for prefix, row in zip(prefixes, logits, strict=True):
+            probs = _reference_probs(row, **settings)
+            if margin is not None:
+                z = np.sort(np.exp((row - row.max()) / settings["temperature"]))[::-1]
+                top = z[: settings["top_k"]] / z[: settings["top_k"]].sum()
+                assert np.abs(np.cumsum(top) - settings["top_p"]).min() > margin
+            for token in np.flatnonzero(probs):
+                nxt[(*prefix, int(token))] = joint[prefix] * probs[token]
+        joint = nxt
+    return joint
+
+
+def _g_test_pvalue(samples: list[tuple[int, ...]], joint: dict) -> float:
+    """G-test of sampled sequences against ``joint``: cells expecting fewer than 5 samples are
+    pooled into one bin; a sequence outside the support gives p = 0."""
+    from collections import Counter
+
+    counts = Counter(samples)
+    if set(counts) - set(joint):
+        return 0.0
+    n = len(samples)
+    cells = sorted(joint, key=joint.get, reverse=True)
+    expected = np.array([joint[c] * n for c in cells])
+    observed = np.array([counts[c] for c in cells], float)
+    big = expected >= 5
+    expected = np.append(expected[big], expected[~big].sum())
+    observed = np.append(observed[big], observed[~big].sum())
+    keep = expected > 0
+    return stats.power_divergence(
+        observed[keep],
+        expected[keep] * observed.sum() / expected[keep].sum(),
+        lambda_="log-likelihood",
+    ).pvalue
+
+
+@pytest.fixture(scope="module")
+def stat_models():
+    return _stat_models(noise=1.0)
+
+
+@pytest.mark.parametrize("method", [pytest.param("draft_model", marks=pytest.mark.slow), "ngram"])
+def test_engine_speculation_samples_the_target_distribution(stat_models, method):
+    """Through the real engine: 8,000 requests with their own seeds, one prompt, the target
+    sampling at temperature 0.9, top-k 5, top-p 0.85, drafts from a draft model (the target's
+    weights plus another seed's: 13% of its drafts are accepted) or from n-gram lookup (6%).
+    The joint distribution of the
+    first four tokens (the first from the prefill, the other three through verification:
+    accepted drafts, residual draws after a rejection, bonus tokens) is the exact one computed
+    from the target's logits (G-test, alpha = 1e-3). The same samples reject the target at
+    temperature 1.0 and the draft model's distribution: the test has the power to see a
+    wrong sampler (and a rejection sampler that accepts every draft inside the target's
+    support fails it with p = 0). The draft-model run takes about a minute on two cores,
+    most of it compiling the draft's catch-up shapes."""
+    from research import SamplingParams
+    from research.config import CacheConfig, SchedulerConfig
+    from research.engine.engine import Engine
+
+    target, draft = stat_models
+    spec = (
+        {"model": "tiny-llama", "num_speculative_tokens": 3}
+        if method == "draft_model"
+        else {"method": "ngram", "num_speculative_tokens": 3}
+    )
+    engine = Engine(
+        *target,
+        cache_config=CacheConfig(block_size=8, num_kv_blocks=1024),
+        scheduler_config=SchedulerConfig(max_num_seqs=512, max_num_batched_tokens=2048),
+        max_model_len=64,
+        speculative_config=spec,
+        draft_model=draft if method == "draft_model" else None,
+    )
+    exact = _exact_joint(target, STAT_SETTINGS, STAT_TOKENS)
+    n = 8000
+    sps = [
+        SamplingParams(max_tokens=STAT_TOKENS, seed=1000 + i, ignore_eos=True, **STAT_SETTINGS)
+        for i in range(n)
+    ]
+    outputs = engine.generate([STAT_PROMPT] * n, sps)
+    samples = [tuple(o.token_ids) for o in outputs]
+    assert all(len(s) == STAT_TOKENS for s in samples)
+    s = engine.stats()
+    print(
+        f"\n{method}: {s['spec_num_accepted_tokens']} of {s['spec_num_draft_tokens']} drafts "
+        f"accepted, {s['num_steps']} steps"
+    )
+    # Drafts were verified, and both outcomes (accepted, rejected) are frequent.
+    accepted = s["spec_num_accepted_tokens"]
+    assert accepted > n // 20 and s["spec_num_draft_tokens"] - accepted > n // 20
+    assert set(samples) <= set(exact), "a sequence outside the target's support was emitted"
+    pvalues = {
+        "target": _g_test_pvalue(samples, exact),
+        "target at 1.0": _g_test_pvalue(
+            samples, _exact_joint(target, {**STAT_SETTINGS, "temperature": 1.0}, STAT_TOKENS, None)
+        ),
+        "draft model": _g_test_pvalue(
+            samples, _exact_joint(draft, STAT_SETTINGS, STAT_TOKENS, None)
+        ),
+    }
+    print("G-test p-values: " + ", ".join(f"{k} {v:.3g}" for k, v in pvalues.items()))
+    assert pvalues.pop("target") > ALPHA
+    assert all(p < ALPHA for p in pvalues.values())

@@ -360,14 +360,16 @@ class ModelExecutor:
             )
         self.step_shapes: set[tuple[int, ...]] = set()  # (N, R, T, M) of every call run
         self.verify_shapes: set[tuple[int, ...]] = set()  # the same, of speculative verification
-        self.verify_tokens_per_row = 2  # speculative decoding: 1 + num_speculative_tokens
+        # Speculative decoding: 1 + num_speculative_tokens (set by the engine); 0 = none.
+        self.verify_tokens_per_row = 0
         # Serving: a call whose shape is not compiled runs padded to the cheapest compiled shape
         # that holds it (a "cover") while its own shape compiles on a background thread; the
         # step never waits for a compile when a cover exists (``precompile_covers``).
         self.compile_in_background = False
         self._background: dict[tuple[int, ...], Any] = {}  # shape -> jax Compiled
+        self._verify_compiled: dict[tuple[int, ...], Any] = {}  # the same, of verify_step
         self._writes: dict[int, Any] = {}  # N -> compiled K/V write of N packed tokens
-        self._pending: set[tuple[int, ...]] = set()
+        self._pending: set[tuple[bool, tuple[int, ...]]] = set()  # (verify, shape)
         self._lock = threading.Lock()
         self._compiler: ThreadPoolExecutor | None = None
         self.covered_calls = 0  # calls run padded to a cover
@@ -458,11 +460,25 @@ class ModelExecutor:
             t *= 2
         return sorted(shapes)
 
+    def verify_cover_shapes(self) -> list[tuple[int, int, int, int]]:
+        """Shapes that hold every verification call (speculative decoding; none without): per
+        row bucket R, R rows of ``verify_tokens_per_row`` positions over the longest context."""
+        t = self.verify_tokens_per_row
+        if t == 0:
+            return []
+        cap = max(16, self.max_num_batched_tokens)
+        rows = {bucket(k, 1, self.max_num_seqs) for k in range(1, self.max_num_seqs + 1)}
+        return sorted((bucket(r * t, 16, cap), r, t, self.max_blocks_per_seq) for r in rows)
+
     def precompile_covers(self, progress: bool = False) -> int:
-        """Compile ``cover_shapes`` ahead of time and serve from then on without compiling
-        inside a step. The covers are compiled, not run: the largest (max_num_seqs rows over the
-        longest context) would take gigabytes to execute once."""
+        """Compile ``cover_shapes`` (and, with speculative decoding, ``verify_cover_shapes``)
+        ahead of time and serve from then on without compiling inside a step. The covers are
+        compiled, not run: the largest (max_num_seqs rows over the longest context) would take
+        gigabytes to execute once. Verification calls are covered as the step's are."""
         todo = sorted(set(self.cover_shapes()) - self.step_shapes)
+        verify_todo = sorted(set(self.verify_cover_shapes()) - self.verify_shapes)
+        for shape in verify_todo:
+            self._store_verify(shape, *self._compile(shape, verify=True))
         for i, shape in enumerate(todo):
             t0 = time.perf_counter()
             self._store(shape, *self._compile(shape))
@@ -473,19 +489,19 @@ class ModelExecutor:
                     flush=True,
                 )
         self.compile_in_background = True
-        return len(todo)
+        return len(todo) + len(verify_todo)
 
-    def _compile(self, shape: tuple[int, int, int, int]) -> tuple[Any, Any]:
-        """Ahead-of-time executables of the step and of its K/V write for ``shape``."""
+    def _compile(self, shape: tuple[int, int, int, int], verify: bool = False) -> tuple[Any, Any]:
+        """Ahead-of-time executables of the step (``verify_step`` if ``verify``) and of its K/V
+        write for ``shape``."""
         spec = functools.partial(jax.tree_util.tree_map, _spec)
         batch = self._padding_batch(*shape)
-        lowered = model_step.lower(
-            spec(self.params),
-            spec(self.pool),
-            batch,
-            cfg=self.cfg,
-            backend=self.backend,
-            plan=self.plan,
+        args = (spec(self.params), spec(self.pool), batch)
+        if verify:
+            _, r, t, _ = shape
+            args += (VerifyInputs(*self._padding_verify(r, t)),)
+        lowered = (verify_step if verify else model_step).lower(
+            *args, cfg=self.cfg, backend=self.backend, plan=self.plan
         )
         new_k, new_v = (list(map(_spec, kv)) for kv in lowered.out_info[:2])
         slots = jax.ShapeDtypeStruct((shape[0],), jnp.int32)
@@ -499,30 +515,46 @@ class ModelExecutor:
             self._writes.setdefault(shape[0], write)
             self.step_shapes.add(shape)
 
-    def _cover(self, shape: tuple[int, int, int, int]) -> tuple[int, ...] | None:
-        """The cheapest compiled shape at least as large as ``shape`` in every dimension."""
+    def _store_verify(self, shape: tuple[int, int, int, int], step: Any, write: Any) -> None:
         with self._lock:
-            ready = list(self.step_shapes)
+            self._verify_compiled[shape] = step
+            self._writes.setdefault(shape[0], write)
+            self.verify_shapes.add(shape)
+
+    def _cover(
+        self, shape: tuple[int, int, int, int], verify: bool = False
+    ) -> tuple[int, ...] | None:
+        """The cheapest compiled shape (of ``verify_step`` if ``verify``) at least as large as
+        ``shape`` in every dimension."""
+        with self._lock:
+            ready = list(self.verify_shapes if verify else self.step_shapes)
         fits = [s for s in ready if all(a >= b for a, b in zip(s, shape, strict=True))]
         return min(fits, key=lambda s: (s[1] * s[2] * s[3] + s[0], s)) if fits else None
 
-    def _compile_later(self, shape: tuple[int, int, int, int]) -> None:
+    def _compile_later(self, shape: tuple[int, int, int, int], verify: bool = False) -> None:
         with self._lock:
-            if shape in self._pending or shape in self.step_shapes:
+            done = self.verify_shapes if verify else self.step_shapes
+            if (verify, shape) in self._pending or shape in done:
                 return
-            self._pending.add(shape)
+            self._pending.add((verify, shape))
             if self._compiler is None:
                 self._compiler = ThreadPoolExecutor(1, thread_name_prefix="step-compiler")
-        self._compiler.submit(self._compile_in_background, shape)
+        self._compiler.submit(self._compile_in_background, shape, verify)
 
-    def _compile_in_background(self, shape: tuple[int, int, int, int]) -> None:
+    def _compile_in_background(
+        self, shape: tuple[int, int, int, int], verify: bool = False
+    ) -> None:
         try:
-            self._store(shape, *self._compile(shape))
+            step, write = self._compile(shape, verify)
+            if verify:
+                self._store_verify(shape, step, write)
+            else:
+                self._store(shape, step, write)
         except Exception:  # the covering shape keeps serving; the next miss retries
             logger.exception("background compile of step shape %s failed", shape)
         finally:
             with self._lock:
-                self._pending.discard(shape)
+                self._pending.discard((verify, shape))
 
     def precompile(self, shapes: Any, progress: bool = False) -> int:
         """Compile every (N, R, T, M) of ``shapes`` not run yet, by running a batch that is all
@@ -603,11 +635,15 @@ class ModelExecutor:
         and the drafts accepted or rejected on device (``verify_step``). The K/V of every
         verified token is written; the rejected ones' slots are rolled back by the scheduler."""
         shape = self.call_shape(group, False, verify=True)
+        if self.compile_in_background and shape not in self.verify_shapes:
+            cover = self._cover(shape, verify=True)
+            if cover is not None:
+                self._compile_later(shape, verify=True)
+                self.covered_calls += 1
+                shape = cover
         batch, slots, sliding_slots, _, _, _ = self._pack(group, shape)
         n, r, t, _ = shape
-        logits_index = np.zeros((r, t), np.int32)
-        draft_tokens = np.full((r, t - 1), -1, np.int32)
-        num_drafts = np.zeros(r, np.int32)
+        logits_index, draft_tokens, num_drafts = self._padding_verify(r, t)
         offset = 0
         for i, item in enumerate(group):
             d = len(item.draft_token_ids)
@@ -616,17 +652,22 @@ class ModelExecutor:
             num_drafts[i] = d
             offset += item.num_new_tokens
         verify = VerifyInputs(logits_index, draft_tokens, num_drafts)
-        self.verify_shapes.add(shape)
+        with self._lock:
+            self.verify_shapes.add(shape)
+            compiled = self._verify_compiled.get(shape)
         t0 = time.perf_counter()
-        new_k, new_v, tokens, accepted, gaps = verify_step(
-            self.params,
-            self.pool,
-            batch,
-            verify,
-            cfg=self.cfg,
-            backend=self.backend,
-            plan=self.plan,
-        )
+        if compiled is not None:
+            new_k, new_v, tokens, accepted, gaps = compiled(self.params, self.pool, batch, verify)
+        else:
+            new_k, new_v, tokens, accepted, gaps = verify_step(
+                self.params,
+                self.pool,
+                batch,
+                verify,
+                cfg=self.cfg,
+                backend=self.backend,
+                plan=self.plan,
+            )
         write = self._writes.get(n, self._write_kv)
         self.pool = write(self.pool, new_k, new_v, slots, sliding_slots)
         tokens, accepted, gaps = to_host(tokens), to_host(accepted), to_host(gaps)
@@ -638,6 +679,11 @@ class ModelExecutor:
             out.tokens[rid] = int(tokens[i, a])
             out.top2_gaps[rid] = float(gaps[i, a])
         return device_time
+
+    @staticmethod
+    def _padding_verify(r: int, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``VerifyInputs``' arrays for R rows of T positions, all padding (no drafts)."""
+        return np.zeros((r, t), np.int32), np.full((r, t - 1), -1, np.int32), np.zeros(r, np.int32)
 
     def _pack(
         self, group: list[ScheduledSeq], shape: tuple[int, int, int, int]
