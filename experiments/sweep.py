@@ -119,6 +119,18 @@ def run_point(
         "range_ratio": w.range_ratio,
         "experiment": e.name,
     }
+    cost_model = getattr(getattr(backend, "engine", None), "executor", None)
+    cost_model = getattr(cost_model, "cost_model", None)
+    if cost_model is not None:  # simulated: the term that binds a decode step at this point
+        from research.perf.cost_model import StepShape
+        from research.perf.speculation import binding_term
+
+        context = w.input_len + w.output_len // 2
+        extra["binding_term"] = binding_term(cost_model, StepShape(((1, context),) * concurrency))
+        if run.speculative.method:
+            k = run.speculative.num_speculative_tokens
+            spec = StepShape(((1 + k, context),) * concurrency, k * concurrency)
+            extra["binding_term_speculative"] = binding_term(cost_model, spec)
     if run.speculative.method:
         drafted = _delta(after, before, "spec_num_draft_tokens")
         accepted = _delta(after, before, "spec_num_accepted_tokens")
