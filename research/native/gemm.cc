@@ -1,8 +1,9 @@
 // bfloat16 matrix products on Intel AMX for CPU, called from XLA through its FFI.
 //
-// XLA:CPU runs a bfloat16 dot at 0.3-0.5 TFLOP/s on a core pair whose AMX units reach several
-// TFLOP/s (measured side by side against oneDNN through torch). This kernel feeds the tile
-// units directly:
+// Inside a step, where XLA:CPU fuses each bfloat16 dot with its neighbours (the cast to the
+// model's dtype, an activation), its dots ran at 0.2-0.5 TFLOP/s on a core pair whose AMX units
+// give 2-2.5 to this kernel and to oneDNN through torch (experiments/bench_gemm.py measures
+// them side by side). This kernel feeds the tile units directly:
 //
 //   x [M, K]             bfloat16, row-major (read in place: an A tile is 16 rows x 32 k)
 //   w [N/32, K/32, 2, 16, 32] bfloat16, the weight W [K, N] packed once at load time into

@@ -1,8 +1,8 @@
 """bfloat16 matrix products on Intel AMX (``gemm.cc``), with weights packed once at load time.
 
-XLA:CPU's bfloat16 dot reaches 0.3-0.5 TFLOP/s on a core pair whose AMX tile units do several
-(``experiments.bench_gemm`` measures both side by side), so a bf16 step spends most of its time
-in the projections. ``pack_params`` rewrites a model's 2-D projection weights into
+Inside a step XLA:CPU's bfloat16 dots (fused with their casts and activations) ran at 0.2-0.5
+TFLOP/s on a core pair whose AMX tile units give this kernel 2-2.5 (``experiments.bench_gemm``
+measures them side by side), so a bf16 step spent most of its time in the projections. ``pack_params`` rewrites a model's 2-D projection weights into
 ``PackedWeight`` leaves, each holding the weight in AMX's B-tile layout; ``layers.matmul`` sends
 a product with one to the native kernel. Everything else (norms, RoPE, attention, sampling)
 stays in XLA.

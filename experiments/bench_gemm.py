@@ -1,0 +1,87 @@
+"""bfloat16 projections of SmolLM2-135M on this CPU: XLA's dot against the AMX kernel, side by
+side in one process (and torch's, which calls oneDNN, where torch is installed).
+
+    python -m experiments.bench_gemm [--rows 1 16 64 2048] [--repeats 20]
+
+For each (rows, in, out) shape of the model's projections it prints GFLOP/s and GB/s of weight
+reads (median of ``--repeats`` calls) for: ``xla`` (a 2-D dot with a float32 result, as
+``layers.matmul`` runs it), ``xla+cast`` (the same with its bfloat16 cast, as ``layers.linear``
+runs it inside a step, where the cast fuses into the dot), ``amx`` (``research.native.gemm``
+writing bfloat16) and ``torch``. Weights stay warm in cache between calls: this is the kernels'
+speed, not a step's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+# (in, out) of SmolLM2-135M's projections: q|k|v fused, o, gate|up fused, down, tied lm_head
+SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152))
+
+
+def _median_s(fn: Any, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 2048])
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from research.native import gemm
+
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    bf16, dims = jnp.bfloat16, (((1,), (0,)), ((), ()))
+    xla = jax.jit(lambda x, w: jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32))
+    cast = jax.jit(lambda x, w: xla(x, w).astype(bf16))
+    amx = jax.jit(lambda x, w: gemm.matmul(x, w, bf16))
+    if not gemm.available():
+        print(f"AMX kernel unavailable: {gemm.unavailable_reason(bf16)}")
+    print(f"{'rows':>5} {'in':>5} {'out':>6} | GFLOP/s (GB/s of weights)")
+    rng = np.random.default_rng(0)
+    for m in args.rows:
+        for k, n in SHAPES:
+            if m * n > 2048 * 3072 * 4:  # the lm_head at prefill sizes: rows never reach it
+                continue
+            x = jnp.asarray(rng.standard_normal((m, k)), bf16)
+            w = jnp.asarray(rng.standard_normal((k, n)) * 0.05, bf16)
+            runs = {
+                "xla": lambda x=x, w=w: xla(x, w).block_until_ready(),
+                "xla+cast": lambda x=x, w=w: cast(x, w).block_until_ready(),
+            }
+            if gemm.available():
+                packed = gemm.pack(w)
+                runs["amx"] = lambda x=x, p=packed: amx(x, p).block_until_ready()
+            if torch is not None:
+                tx, tw = (
+                    torch.from_numpy(np.asarray(x, np.float32)),
+                    torch.from_numpy(np.asarray(w, np.float32)),
+                )
+                tx, tw = tx.to(torch.bfloat16), tw.to(torch.bfloat16)
+                runs["torch"] = lambda tx=tx, tw=tw: tx @ tw
+            cells = []
+            for name, fn in runs.items():
+                s = _median_s(fn, args.repeats)
+                cells.append(f"{name} {2 * m * k * n / s / 1e9:7.0f} ({k * n * 2 / s / 1e9:5.1f})")
+            print(f"{m:5d} {k:5d} {n:6d} | " + "  ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
