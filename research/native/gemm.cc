@@ -68,8 +68,8 @@ struct Output {
 
   void store(research_native::v16 v, int64_t offset) const {
     if (bf16) {
-      uint16_t* dst = static_cast<uint16_t*>(y) + offset;
-      for (int i = 0; i < 16; ++i) dst[i] = research_native::to_bf16(v[i]);
+      auto* dst = reinterpret_cast<research_native::v16h*>(static_cast<uint16_t*>(y) + offset);
+      *dst = research_native::to_bf16x16(v);
     } else {
       *reinterpret_cast<research_native::v16u*>(static_cast<float*>(y) + offset) = v;
     }

@@ -37,12 +37,21 @@ inline v16 silu16(v16 x) {
   return x * sig;
 }
 
-// float32 -> bfloat16 bits, rounding to nearest even.
+// float32 -> bfloat16 bits, rounding to nearest even: one value, and 16 lanes at once.
 inline uint16_t to_bf16(float f) {
   uint32_t bits;
   __builtin_memcpy(&bits, &f, sizeof(bits));
   bits += 0x7FFFu + ((bits >> 16) & 1u);
   return static_cast<uint16_t>(bits >> 16);
+}
+
+typedef uint32_t v16ui __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));  // 16 bf16, unaligned
+
+inline v16h to_bf16x16(v16 v) {
+  v16ui bits = reinterpret_cast<v16ui>(v);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return __builtin_convertvector(bits >> 16, v16h);
 }
 
 }  // namespace research_native
