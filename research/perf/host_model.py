@@ -7,9 +7,10 @@ can measure (``python -m experiments.run experiment=validate_host``).
 padded to a power of two (``bucket``), prefill tokens to a power of two >= 16, tokens per row to
 a power of two. Attention depends on the engine's ``attention_backend``: the XLA reference reads
 every row's bucketed block table (``context_bucket``, at least 128 tokens) for every padded query
-(no flash kernel: the score matrix is [rows, heads, queries, keys]); the native CPU kernel
-(``research.native``) reads each decode row's own cached tokens in place. A prefill call of fresh
-prompts only reads no cache at all (the executor runs it with M = 0).
+(no flash kernel: the score matrix is [rows, heads, queries, keys]), and a prefill call of fresh
+prompts only reads no cache at all (the executor runs it with M = 0); the native CPU kernels
+(``research.native``) read each row's own cached tokens in place, decode rows one query each,
+prefill chunks in one causal pass over the packed tokens (no padding).
 Each call pays the per-step host overhead (packing arrays, dispatch, reading the sampled tokens
 back).
 
@@ -127,15 +128,20 @@ class HostCostModel(CostModel):
             cap = max(16, self.max_num_batched_tokens)
             n = r if is_decode else _bucket(tokens, 16, cap)
             t = 1 if is_decode else _bucket(max(k for k, _ in group), 16, n)
-            if not is_decode and all(c == 0 for _, c in group):
+            if (
+                not is_decode
+                and self.attention_backend != "native"
+                and all(c == 0 for _, c in group)
+            ):
                 # Fresh prompts only: no cached context (the executor's M = 0 call).
                 read, pages, pairs = 0.0, 0.0, float(r * t * t)
-            elif self.attention_backend == "native" and is_decode:
-                # The native kernel reads each decode row's own cached tokens in place (prefill
-                # chunks, T >= 16, take the gather path below), plus the row's new token.
+            elif self.attention_backend == "native":
+                # The native kernels read each row's own cached tokens in place (decodes: one
+                # query over them and its new token; prefill chunks: one causal pass over the
+                # packed tokens, each over its row's cache and the row's tokens up to itself).
                 read = float(sum(c for _, c in group))
                 pages = float(sum(math.ceil(c / bs) for _, c in group))
-                pairs = float(t * read + r * t * t)
+                pairs = float(sum(k * c + k * (k + 1) // 2 for k, c in group))
             else:
                 # Every row's bucketed block table gathered and scored for every padded query.
                 longest_table = max(math.ceil((c + k) / bs) for k, c in group)
