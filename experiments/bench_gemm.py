@@ -14,22 +14,9 @@ speed, not a step's.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from typing import Any
 
 # (in, out) of SmolLM2-135M's projections: q|k|v fused, o, gate|up fused, down, tied lm_head
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152))
-
-
-def _median_s(fn: Any, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     import numpy as np
 
     from research.native import gemm
+    from research.perf.host_peaks import median_seconds
 
     try:
         import torch
@@ -78,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
                 runs["torch"] = lambda tx=tx, tw=tw: tx @ tw
             cells = []
             for name, fn in runs.items():
-                s = _median_s(fn, args.repeats)
+                s = median_seconds(fn, args.repeats)
                 cells.append(f"{name} {2 * m * k * n / s / 1e9:7.0f} ({k * n * 2 / s / 1e9:5.1f})")
             print(f"{m:5d} {k:5d} {n:6d} | " + "  ".join(cells))
 

@@ -118,16 +118,21 @@ inline void prefetch(const uint16_t* b) {
   for (int i = 0; i < 2048; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
 }
 
-// c[0:32, 0:32] = x[0:32, :] @ W[:, 32 columns]: b is the column pair's stream of k blocks
-// (2 tiles of 16 x 32 each, 2 KB); c is a [32, 32] float32 scratch.
-void block32(const uint16_t* a, int64_t lda_bytes, const uint16_t* b, int64_t kbs, float* c,
-             bool stream) {
+// c[0:rows, 0:32] = x[0:rows, :] @ W[:, 32 columns], rows 32 (kPair: 2 x 2 tiles, each tile
+// load feeding two products) or the configured tail of mr < 32 rows taken 16 at a time; b is
+// the column pair's stream of k blocks (2 tiles of 16 x 32 each, 2 KB); c is a [32, 32] float32
+// scratch.
+template <bool kPair>
+void block(const uint16_t* a, int64_t lda_bytes, const uint16_t* b, int64_t kbs, float* c,
+           bool stream) {
   constexpr int64_t ldc_bytes = 32 * 4;
   const uint16_t* a1 = a + 16 * lda_bytes / 2;
   _tile_zero(0);
   _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  if constexpr (kPair) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
   for (int64_t kb = 0; kb < kbs; ++kb) {
     if (stream) prefetch(b + (kb + kPrefetchAhead) * 1024);
     _tile_loadd(4, a + kb * 32, lda_bytes);
@@ -135,33 +140,18 @@ void block32(const uint16_t* a, int64_t lda_bytes, const uint16_t* b, int64_t kb
     _tile_loadd(7, b + kb * 1024 + 512, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(5, a1 + kb * 32, lda_bytes);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-  }
-  float* c1 = c + 16 * 32;
-  _tile_stored(0, c, ldc_bytes);
-  _tile_stored(1, c + 16, ldc_bytes);
-  _tile_stored(2, c1, ldc_bytes);
-  _tile_stored(3, c1 + 16, ldc_bytes);
-}
-
-// The same for the configured tail of mr < 32 rows, 16 at a time.
-void block_tail(const uint16_t* a, int64_t lda_bytes, const uint16_t* b, int64_t kbs, float* c,
-                bool stream) {
-  constexpr int64_t ldc_bytes = 32 * 4;
-  _tile_zero(0);
-  _tile_zero(1);
-  for (int64_t kb = 0; kb < kbs; ++kb) {
-    if (stream) prefetch(b + (kb + kPrefetchAhead) * 1024);
-    _tile_loadd(4, a + kb * 32, lda_bytes);
-    _tile_loadd(6, b + kb * 1024, 64);
-    _tile_loadd(7, b + kb * 1024 + 512, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kPair) {
+      _tile_loadd(5, a1 + kb * 32, lda_bytes);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
   }
   _tile_stored(0, c, ldc_bytes);
   _tile_stored(1, c + 16, ldc_bytes);
+  if constexpr (kPair) {
+    _tile_stored(2, c + 16 * 32, ldc_bytes);
+    _tile_stored(3, c + 16 * 32 + 16, ldc_bytes);
+  }
 }
 
 // y [m, n] = x [m, k] @ W, W packed (see the top of this file); each 32-column panel's float32
@@ -182,13 +172,13 @@ void gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const uint16_t
       // The first pass over a panel streams it from memory: prefetch ahead of the loads.
       for (; m0 + 32 <= m_end; m0 += 32) {
         if (configured != 0) configure(configured = 0);
-        block32(xp + m0 * k, k * 2, b, kbs, scratch, m0 == m_begin);
+        block<true>(xp + m0 * k, k * 2, b, kbs, scratch, m0 == m_begin);
         out.write(scratch, 32, m0, g);
       }
       for (; m0 < m_end; m0 += 16) {
         const int mr = static_cast<int>(std::min<int64_t>(16, m_end - m0));
         if (configured != mr) configure(configured = mr);
-        block_tail(xp + m0 * k, k * 2, b, kbs, scratch, m0 == m_begin);
+        block<false>(xp + m0 * k, k * 2, b, kbs, scratch, m0 == m_begin);
         out.write(scratch, mr, m0, g);
       }
     }

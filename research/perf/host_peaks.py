@@ -32,7 +32,8 @@ def _machine_key() -> str:
     return f"{cpu} x{os.cpu_count()}"
 
 
-def _median_seconds(fn: Any, repeats: int) -> float:
+def median_seconds(fn: Any, repeats: int) -> float:
+    """Median wall seconds of ``repeats`` calls of ``fn`` after one untimed call."""
     fn()  # compile and warm
     times = []
     for _ in range(repeats):
@@ -53,11 +54,11 @@ def _bf16_gemm_seconds(a: Any, b: Any, repeats: int) -> float:
     a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
     dims = (((1,), (0,)), ((), ()))
     dot = jax.jit(lambda x, y: jax.lax.dot_general(x, y, dims, preferred_element_type=jnp.float32))
-    best = _median_seconds(lambda: dot(a, b).block_until_ready(), repeats)
+    best = median_seconds(lambda: dot(a, b).block_until_ready(), repeats)
     if gemm.available():
         packed = gemm.pack(b)
         amx = jax.jit(gemm.matmul)
-        best = min(best, _median_seconds(lambda: amx(a, packed).block_until_ready(), repeats))
+        best = min(best, median_seconds(lambda: amx(a, packed).block_until_ready(), repeats))
     return best
 
 
@@ -71,13 +72,13 @@ def measure_host_peaks(gemm_size: int = 2048, copy_mib: int = 256, repeats: int 
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
     matmul = jax.jit(lambda x, y: x @ y)
-    gemm_s = _median_seconds(lambda: matmul(a, b).block_until_ready(), repeats)
+    gemm_s = median_seconds(lambda: matmul(a, b).block_until_ready(), repeats)
     bf16_s = _bf16_gemm_seconds(a, b, repeats)
     x = jnp.ones((copy_mib << 20) // 4, jnp.float32)
     scale = jax.jit(lambda v: v * 1.0001)  # one read and one write of every element
-    copy_s = _median_seconds(lambda: scale(x).block_until_ready(), repeats)
+    copy_s = median_seconds(lambda: scale(x).block_until_ready(), repeats)
     total = jax.jit(jnp.sum)  # reads only, as a step reads its weights
-    read_s = _median_seconds(lambda: total(x).block_until_ready(), repeats)
+    read_s = median_seconds(lambda: total(x).block_until_ready(), repeats)
     copy, read = 2.0 * x.nbytes / copy_s, x.nbytes / read_s
     return {
         "flops": 2.0 * n**3 / gemm_s,
