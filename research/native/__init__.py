@@ -3,7 +3,10 @@
 XLA:CPU has no paged attention: the reference path (``research.engine.kv_cache``) gathers every
 row's pages into a padded copy per layer, then runs masked attention over it, and XLA:CPU moves
 gathered bytes at a fraction of its streaming bandwidth. ``paged_attention`` reads the pages in
-place through the block tables instead (``paged_attention.cc``), as vLLM's CPU backend does.
+place through the block tables instead (``paged_attention.cc``), as vLLM's CPU backend does, for
+decode and verification rows; ``packed_attention`` runs a call's prefill chunks in one causal
+pass over the packed tokens (each over its row's pages and the row's own new tokens). ``gemm``
+(``gemm.cc``) multiplies bfloat16 projections on the CPU's AMX tiles.
 
 The library is built with the system C++ compiler (``$CXX`` or ``g++``) against the FFI headers
 that jaxlib ships, once per source, jaxlib version and CPU, into ``$RESEARCH_NATIVE_CACHE``
