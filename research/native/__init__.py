@@ -56,17 +56,16 @@ def _build() -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         raise RuntimeError("no C++ compiler found (set CXX or install g++)")
-    flags = [
-        "-O3",
-        "-march=native",
-        "-mprefer-vector-width=512",
-        "-fopenmp-simd",
-        "-std=c++17",
-        "-shared",
-        "-fPIC",
-        "-w",
-    ]
-    flags += ["-mamx-tile", "-mamx-bf16"] if platform.machine() in ("x86_64", "AMD64") else []
+    flags = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w"]
+    if platform.machine() in ("x86_64", "AMD64"):  # 512-bit vectors; AMX where the compiler can
+        x86 = ["-mprefer-vector-width=512", "-mamx-tile", "-mamx-bf16"]
+        probe = subprocess.run(
+            [compiler, *x86, "-x", "c++", "-fsyntax-only", "-"],
+            input="",
+            capture_output=True,
+            text=True,
+        )
+        flags += x86 if probe.returncode == 0 else []
     texts = [p.read_text() for p in (*_SOURCES, *_HEADERS)]
     key = hashlib.sha256(
         "\n".join(
