@@ -2,14 +2,15 @@
 
 Inside a step XLA:CPU's bfloat16 dots (fused with their casts and activations) ran at 0.2-0.5
 TFLOP/s on a core pair whose AMX tile units give this kernel 2-2.5 (``experiments.bench_gemm``
-measures them side by side), so a bf16 step spent most of its time in the projections. ``pack_params`` rewrites a model's 2-D projection weights into
-``PackedWeight`` leaves, each holding the weight in AMX's B-tile layout; ``layers.matmul`` sends
-a product with one to the native kernel. Everything else (norms, RoPE, attention, sampling)
-stays in XLA.
+measures them side by side), so a bf16 step spent most of its time in the projections.
+``pack_params`` rewrites a model's 2-D projection weights into ``PackedWeight`` leaves, each
+holding the weight in AMX's B-tile layout; ``layers.linear`` and ``layers.matmul`` send a
+product with one to the native kernel. Everything else (norms, RoPE, attention, sampling) stays
+in XLA.
 
 Where the library did not build, the CPU has no AMX-BF16, the model is not bfloat16, or a
-weight's shape does not tile (in and out features multiples of 32), weights stay
-as they are and XLA multiplies them.
+weight's shape does not tile (in and out features multiples of 32), weights stay as they are and
+XLA multiplies them.
 """
 
 from __future__ import annotations
