@@ -4,11 +4,12 @@ side in one process (and torch's, which calls oneDNN, where torch is installed).
     python -m experiments.bench_gemm [--rows 1 16 64 2048] [--repeats 20]
 
 For each (rows, in, out) shape of the model's projections it prints GFLOP/s and GB/s of weight
-reads (median of ``--repeats`` calls) for: ``xla`` (a 2-D dot with a float32 result, as
-``layers.matmul`` runs it), ``xla+cast`` (the same with its bfloat16 cast, as ``layers.linear``
+reads (median of ``--repeats`` calls), and the larger of their fractions of the machine's
+measured bf16 GEMM and read peaks (``research.perf.host_peaks``), for: ``xla`` (a 2-D dot with a
+float32 result, as ``layers.matmul`` runs it), ``xla+cast`` (the same with its bfloat16 cast, as ``layers.linear``
 runs it inside a step, where the cast fuses into the dot), ``amx`` (``research.native.gemm``
 writing bfloat16) and ``torch``. Weights stay warm in cache between calls: this is the kernels'
-speed, not a step's.
+speed, not a step's (a read fraction past 1 means the weights came from cache, not memory).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     import numpy as np
 
     from research.native import gemm
-    from research.perf.host_peaks import median_seconds
+    from research.perf.host_peaks import host_peaks, median_seconds
 
     try:
         import torch
@@ -42,7 +43,13 @@ def main(argv: list[str] | None = None) -> None:
     amx = jax.jit(lambda x, w: gemm.matmul(x, w, bf16))
     if not gemm.available():
         print(f"AMX kernel unavailable: {gemm.unavailable_reason(bf16)}")
-    print(f"{'rows':>5} {'in':>5} {'out':>6} | GFLOP/s (GB/s of weights)")
+    peaks = host_peaks()  # the roofline: this machine's bf16 GEMM and read peaks, cached
+    flop_peak, read_peak = peaks["bf16_flops"], peaks["bandwidth"]
+    print(
+        f"peaks: {flop_peak / 1e9:.0f} GFLOP/s bf16 GEMM, {read_peak / 1e9:.1f} GB/s reads; "
+        "each cell: GFLOP/s (GB/s of weights) [fraction of the binding roof]"
+    )
+    print(f"{'rows':>5} {'in':>5} {'out':>6} | GFLOP/s (GB/s of weights) [roofline fraction]")
     rng = np.random.default_rng(0)
     for m in args.rows:
         for k, n in SHAPES:
@@ -67,7 +74,9 @@ def main(argv: list[str] | None = None) -> None:
             cells = []
             for name, fn in runs.items():
                 s = median_seconds(fn, args.repeats)
-                cells.append(f"{name} {2 * m * k * n / s / 1e9:7.0f} ({k * n * 2 / s / 1e9:5.1f})")
+                flops, nbytes = 2 * m * k * n / s, k * n * 2 / s
+                roof = max(flops / flop_peak, nbytes / read_peak)
+                cells.append(f"{name} {flops / 1e9:7.0f} ({nbytes / 1e9:5.1f}) [{roof:.2f}]")
             print(f"{m:5d} {k:5d} {n:6d} | " + "  ".join(cells))
 
 
