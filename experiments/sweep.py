@@ -88,7 +88,7 @@ def run_point(
     executor = _band_executor(run, backend)
     if executor is not None:
         executor.step_log = []
-    from research.engine.executor import STEP_TRACES
+    from research.engine.step import STEP_TRACES
 
     recording = getattr(backend, "recording_steps", None)
     before, traces = backend.stats(), STEP_TRACES[0]
@@ -149,6 +149,8 @@ def run_point(
             "mean_step_ms": 1000 * step_time / steps,
             "host_overhead_fraction": _delta(after, before, "host_time_s") / step_time,
             "new_compilations": int(_delta(after, before, "num_compilations")),
+            "compiled_shapes": int(after.get("num_compilations", 0)),
+            "forward_passes_per_step": _delta(after, before, "num_forward_passes") / steps,
             "precompiled_shapes": precompiled,
             "step_traces": traces,  # jax traces of the step inside the point: 0 = no compile
         }

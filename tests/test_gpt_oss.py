@@ -288,47 +288,6 @@ def test_yarn_frequencies_match_hf_at_full_size(truncate):
     assert rope_attention_factor(scaling) == pytest.approx(gain)
 
 
-def test_paged_kernel_path_applies_sinks_and_window_like_the_xla_path():
-    """The Pallas paged-attention path (interpreted) merges the sinks into its log-sum-exp
-    merge and applies a sliding window as the XLA gather path does; the native kernel refuses
-    a window by name."""
-    from research.engine.kv_cache import (
-        _gather_attention,
-        _kernel_attention,
-        init_kv_pool,
-        write_kv,
-    )
-    from research.models.presets import get_preset
-
-    cfg = get_preset("tiny-qwen3")
-    bs, kvh, e, h = 4, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads
-    tables = jnp.asarray([[1, 3, 5], [2, 4, 6]], jnp.int32)
-    slots = [int(tables[i, p // bs]) * bs + p % bs for i, c in enumerate((7, 5)) for p in range(c)]
-    keys = jax.random.split(jax.random.key(0), 6)
-    kk, vv = (jax.random.normal(k, (len(slots), kvh, e)) for k in keys[:2])
-    pool = init_kv_pool(cfg, 8, bs, jnp.float32)
-    pool = write_kv(pool, [kk] * cfg.num_layers, [vv] * cfg.num_layers, jnp.asarray(slots))
-    positions = jnp.asarray([[7, 8], [5, -1]], jnp.int32)  # row 1 has one new token
-    q = jax.random.normal(keys[2], (2, 2, h, e))
-    k_new, v_new = (jax.random.normal(k, (2, 2, kvh, e)) for k in keys[3:5])
-    sinks = jax.random.normal(keys[5], (h,))
-    args = (q, k_new, v_new, pool, 0, tables, positions, 0.25)
-    xla = _gather_attention(*args, "xla", sinks=sinks)
-    kernel = jax.jit(lambda s: _kernel_attention(*args, "pallas_interpret", sinks=s))(sinks)
-    valid = np.asarray(positions) >= 0
-    np.testing.assert_allclose(np.asarray(kernel)[valid], np.asarray(xla)[valid], atol=1e-5)
-    assert np.abs(np.asarray(xla - _gather_attention(*args, "xla")))[valid].max() > 1e-2
-    for window in (1, 3, 6):  # inside the new tokens, across the last page, across two pages
-        xla_w = _gather_attention(*args, "xla", window=window, sinks=sinks)
-        kernel_w = jax.jit(
-            lambda s, w=window: _kernel_attention(*args, "pallas_interpret", window=w, sinks=s)
-        )(sinks)
-        np.testing.assert_allclose(np.asarray(kernel_w)[valid], np.asarray(xla_w)[valid], atol=1e-5)
-        assert np.abs(np.asarray(xla_w - xla))[valid].max() > 1e-2
-    with pytest.raises(ValueError, match="native paged-attention kernel has no sliding window"):
-        _kernel_attention(*args, "native", window=4)
-
-
 def test_pallas_backend_serves_gpt_oss_like_xla(mxfp4_model):
     """The paged engine with attention_backend="pallas_interpret" on the MXFP4 checkpoint: the
     windowed Pallas paged-attention kernel on the sliding layers (a prompt 2.5 windows long in

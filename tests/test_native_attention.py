@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from research import native
-from research.engine.kv_cache import native_supports, resolve_attention_backend
+from research.engine.attention import native_supports, resolve_attention_backend
 from research.engine.request import SamplingParams
 
 pytestmark = pytest.mark.skipif(

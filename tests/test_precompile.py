@@ -38,7 +38,8 @@ def test_predicted_shapes_are_the_runs_and_nothing_compiles_inside_it(num_kv_blo
     engine = llm.engine
     requests = _requests(20, llm.model_config.vocab_size, seed=1)
     shapes = predict_step_shapes(engine, requests, max_concurrency=6)
-    assert any(t == 1 for _, _, t, _ in shapes) and any(t > 1 for _, _, t, _ in shapes)
+    # (N, R, M): decode-only steps (N = R) and steps with prefill chunks (N > R)
+    assert any(n == r for n, r, _ in shapes) and any(n > r for n, r, _ in shapes)
     assert engine.executor.precompile(shapes) == len(shapes)
     assert engine.executor.precompile(shapes) == 0  # already compiled
 
@@ -48,6 +49,7 @@ def test_predicted_shapes_are_the_runs_and_nothing_compiles_inside_it(num_kv_blo
     assert [len(r.token_times) for r in result.records] == [r.output_len for r in requests]
     assert executor_module.STEP_TRACES[0] == traces  # not one trace (so no compile) in the run
     assert engine.executor.step_shapes == shapes  # and every predicted shape was used
+    assert engine.stats()["num_forward_passes"] == engine.num_steps  # one per step
     if num_kv_blocks is not None:
         assert engine.stats()["num_preemptions"] > 0
     assert engine.num_steps > steps
@@ -62,7 +64,8 @@ def test_precompiled_padding_leaves_the_outputs_unchanged():
 
         llm = LLM("tiny-llama", max_model_len=128, num_kv_blocks=32)
         if precompile:
-            llm.engine.executor.precompile([(16, 4, 16, 8), (4, 4, 1, 8), (1, 1, 1, 8)])
+            m = llm.engine.executor.max_blocks_per_seq
+            llm.engine.executor.precompile([(16, 4, m), (4, 4, m), (1, 1, m)])
         outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
         return [o.token_ids for o in outs]
 
@@ -89,13 +92,14 @@ def test_serving_on_covers_never_compiles_in_a_step_and_keeps_the_tokens():
     assert executor.precompile_covers() == len(covers)
     traces = executor_module.STEP_TRACES[0]
     got = [o.token_ids for o in llm.generate(prompts, sp)]
-    executor._compiler.shutdown(wait=True)  # let the background compiles finish
+    executor.compiler._compiler.shutdown(wait=True)  # let the background compiles finish
     expected = [o.token_ids for o in make().generate(prompts, sp)]
     assert got == expected
     assert executor.covered_calls > 0
     # every trace since the covers came from a background compile, none from a step (the covers
     # themselves were compiled ahead of time, as the background shapes are)
-    assert executor_module.STEP_TRACES[0] - traces == len(executor._background) - len(covers) > 0
+    background = len(executor.compiler.compiled) - len(covers)
+    assert executor_module.STEP_TRACES[0] - traces == background > 0
     # Again, now with prefix-cache hits (new shapes) and the background shapes compiled.
     assert [o.token_ids for o in llm.generate(prompts, sp)] == expected
 
@@ -135,11 +139,10 @@ print(json.dumps(len(misses)))
 
 @pytest.mark.slow
 def test_speculative_serving_on_covers_never_compiles_a_verification_in_a_step():
-    """With n-gram drafts, ``precompile_covers`` also compiles ``verify_step`` at one cover per
-    row bucket: a verification of a new shape then runs padded to its cover while its own shape
-    compiles in the background, as the step's calls do. No step traces (compiles) the model or
-    the verification, and the greedy tokens equal those of an engine that compiled every shape
-    in the step."""
+    """With n-gram drafts, verification rows run in the same step as every other row, so
+    ``precompile_covers`` covers them too: a step of a new shape runs padded to its cover while
+    its own shape compiles in the background. No step traces (compiles) the model, and the
+    greedy tokens equal those of an engine that compiled every shape in the step."""
     from research import SamplingParams
 
     spec = {"method": "ngram", "num_speculative_tokens": 3}
@@ -160,22 +163,21 @@ def test_speculative_serving_on_covers_never_compiles_a_verification_in_a_step()
 
     llm = make()
     executor = llm.engine.executor
-    covers, verify_covers = executor.cover_shapes(), executor.verify_cover_shapes()
-    assert [(r, t) for _, r, t, _ in verify_covers] == [(r, 4) for r in (1, 2, 4, 8)]
-    assert executor.precompile_covers() == len(covers) + len(verify_covers)
+    covers = executor.cover_shapes()
+    assert executor.compiler.num_scored == 4  # the last token and three drafts per row
+    assert executor.precompile_covers() == len(covers)
     compilations = llm.engine.num_compilations
-    verify_traces = executor_module.VERIFY_TRACES[0]
     step_traces = executor_module.STEP_TRACES[0]
     got = [o.token_ids for o in llm.generate(prompts, sp)]
-    executor._compiler.shutdown(wait=True)  # let the background compiles finish
-    assert llm.engine.stats()["spec_num_draft_tokens"] > 0
+    executor.compiler._compiler.shutdown(wait=True)  # let the background compiles finish
+    stats = llm.engine.stats()
+    assert stats["spec_num_draft_tokens"] > 0
+    assert stats["num_forward_passes"] == stats["num_steps"]
     # every trace since the covers came from a background compile, none from a step
-    verify_background = len(executor._verify_compiled) - len(verify_covers)
-    step_background = len(executor._background) - len(covers)
-    assert verify_background > 0 and executor.covered_calls > 0
-    assert executor_module.VERIFY_TRACES[0] - verify_traces == verify_background
-    assert executor_module.STEP_TRACES[0] - step_traces == step_background
-    assert llm.engine.num_compilations - compilations == verify_background + step_background
+    background = len(executor.compiler.compiled) - len(covers)
+    assert background > 0 and executor.covered_calls > 0
+    assert executor_module.STEP_TRACES[0] - step_traces == background
+    assert llm.engine.num_compilations - compilations == background
     expected = [o.token_ids for o in make().generate(prompts, sp)]
     assert got == expected
     # Again, now on the shapes compiled in the background.

@@ -138,6 +138,7 @@ class Engine:
         self.num_steps = 0
         self.step_time = 0.0  # wall seconds inside step()
         self.device_time = 0.0  # of which inside the jitted calls (dispatch to results ready)
+        self.num_forward_passes = 0  # forward passes the executor ran (one per step)
         self._counter = 0
         # Called after each schedule(), before the step runs (the server refreshes its gauges).
         self.on_schedule: Callable[[], None] | None = None
@@ -322,6 +323,7 @@ class Engine:
         self.num_steps += 1
         outputs = failed + self._commit(plan, result)
         self.device_time += result.device_time
+        self.num_forward_passes += getattr(result, "forward_passes", 0)
         self.step_time += time.perf_counter() - t0
         return outputs
 
@@ -542,6 +544,7 @@ class Engine:
         return {
             "num_steps": self.num_steps,
             "num_compilations": self.num_compilations,
+            "num_forward_passes": self.num_forward_passes,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),

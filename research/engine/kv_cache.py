@@ -1,4 +1,4 @@
-"""The paged KV pool on device and attention that reads it through block tables.
+"""The paged KV pool on device: pages, their formats, and the writes into them.
 
 Per layer, K and V pages are laid out [K, B, P, E] (kv heads, blocks in the pool, tokens per
 block, head_dim), the layout of JAX's Pallas paged-attention kernel. A token's slot is
@@ -6,17 +6,15 @@ block, head_dim), the layout of JAX's Pallas paged-attention kernel. A token's s
 through its block table. Models with sliding-window layers (gpt-oss) pair each sliding layer
 with a full one on the same pages (``kv_layer_slots``): the sliding layers read and write
 through their own block tables, whose blocks leave the window and return to the pool
-(``research.engine.block_manager``).
+(``research.engine.block_manager``). Attention reads the pool in ``research.engine.attention``.
 
-Axis legend: N = packed tokens in the call, R = rows (sequences in the call), T = tokens per
-row, M = blocks per row's table, K = kv heads, B = blocks in the pool, P = tokens per block,
-E = head_dim, H = query heads.
+Axis legend: N = packed tokens in the step, R = rows (sequences in the step), M = blocks per
+row's table, K = kv heads, B = blocks in the pool, P = tokens per block, E = head_dim.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,11 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from research.config import ModelConfig
-from research.models.layers import KERNEL_BACKENDS, attention_with_lse, grouped_query_attention
 from research.quant.kv import dequantize_kv, kv_code_dtype, kv_code_shape, quantize_kv
-
-ATTENTION_BACKENDS = KERNEL_BACKENDS
-NATIVE_MAX_T = 8  # tokens per row up to which "native" attention runs the kernel
 
 
 @jax.tree_util.register_dataclass
@@ -185,140 +179,6 @@ def kv_pool_bytes_per_block(
     return 2 * layers * cfg.num_kv_heads * block_size * (code_bytes + scale_bytes)
 
 
-@jax.tree_util.register_dataclass
-@dataclass
-class PagedKVCache:
-    """The pool (read-only here) plus this call's metadata; passed through ``forward``.
-
-    The model runs on packed tokens: ``forward`` sees one row of N tokens from several
-    sequences (no padding between them, so projections and MLPs cost what the real tokens
-    cost). Attention unpacks them into [R, T] (one row per sequence, T = its longest chunk),
-    reads each row's cached context through its block table plus the call's own new K/V, and
-    packs the result back.
-
-    The new K/V are collected in ``new_k``/``new_v`` and scattered into the donated pool by
-    ``write_kv`` in a separate jitted call: reading and updating the pool in one XLA
-    computation made XLA:CPU copy the whole pool every layer (1.2 vs 13 tok/s, 1 GiB pool).
-
-    ``backend`` "xla" gathers the pages and runs masked attention in XLA; "pallas" and
-    "pallas_interpret" read the cached context with the Pallas paged-attention kernel (one
-    query per token, the row's cached length as its length) and merge it with attention over
-    the call's new tokens by their log-sum-exps; "native" does the same with the C++ CPU kernel
-    for calls of at most ``NATIVE_MAX_T`` tokens per row (decodes, verification) and runs
-    prefill chunks through its packed kernel (context and new tokens in one causal pass over the
-    packed tokens, no [R, T] grid).
-    """
-
-    pool: KVPool
-    block_tables: jax.Array  # [R, M] int32
-    token_row: jax.Array  # [N] int32: row of each packed token (R for padding)
-    token_col: jax.Array  # [N] int32: its index within the row's chunk
-    row_positions: jax.Array  # [R, T] int32: positions of each row's chunk, -1 = padding
-    new_k: list[jax.Array] = field(default_factory=list)  # per layer [N, K, E]
-    new_v: list[jax.Array] = field(default_factory=list)
-    sliding_block_tables: jax.Array | None = None  # [R, M] int32: sliding-window layers
-    backend: str = field(default="xla", metadata=dict(static=True))
-    plan: Any = field(default=None, metadata=dict(static=True))  # research.parallel.ShardingPlan
-
-    def update_and_attend(
-        self,
-        layer: int,
-        q: jax.Array,
-        k_new: jax.Array,
-        v_new: jax.Array,
-        positions: jax.Array,
-        scale: float,
-        window: int | None = None,
-        sinks: jax.Array | None = None,
-    ) -> tuple[jax.Array, PagedKVCache]:
-        """q [1, N, H, E], k_new/v_new [1, N, K, E] packed; positions [1, N] (-1 = padding).
-        ``window``: a query at p sees positions > p - window only (sliding-window layers);
-        ``sinks`` [H]: per-head logits added to every softmax denominator (gpt-oss)."""
-        if self.backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend {self.backend!r}; available: {ATTENTION_BACKENDS}")
-        r, t = self.row_positions.shape
-
-        def unpack(x: jax.Array) -> jax.Array:  # [N, heads, E] -> [R, T, heads, E]
-            grid = jnp.zeros((r, t, *x.shape[1:]), x.dtype)
-            return grid.at[self.token_row, self.token_col].set(x, mode="drop")
-
-        tables = self.block_tables
-        if self.pool.is_sliding(layer):
-            tables = self.sliding_block_tables
-        sharded = self.plan is not None and self.plan.size > 1
-        packed = window is None and sinks is None and not sharded
-        if self.backend == "native" and t > NATIVE_MAX_T and packed:
-            # prefill chunks: one packed pass over context and new tokens, no [R, T] grid
-            out = self._packed_attention(layer, q[0], k_new[0], v_new[0], tables, scale)
-            return out.astype(q.dtype)[None], dataclasses.replace(
-                self, new_k=[*self.new_k, k_new[0]], new_v=[*self.new_v, v_new[0]]
-            )
-        # The decode kernels read a row's context once per query: decode-sized chunks only.
-        gather = self.backend == "xla" or (self.backend == "native" and t > NATIVE_MAX_T)
-        attend = _gather_attention if gather else _kernel_attention
-        if window is not None or sinks is not None:
-            attend = functools.partial(attend, window=window, sinks=sinks)
-        if sharded:
-            if sinks is not None:
-                raise ValueError("tensor parallelism does not split attention sinks (gpt-oss)")
-            from research.parallel.ops import sharded_attention
-
-            attend = functools.partial(sharded_attention, self.plan, attend)
-        out = attend(
-            unpack(q[0]),
-            unpack(k_new[0]),
-            unpack(v_new[0]),
-            self.pool,
-            self.pool.slot(layer),
-            tables,
-            self.row_positions,
-            scale,
-            self.backend,
-        )
-        return self._pack(out, k_new, v_new)
-
-    def _packed_attention(
-        self,
-        layer: int,
-        q: jax.Array,
-        k_new: jax.Array,
-        v_new: jax.Array,
-        tables: jax.Array,
-        scale: float,
-    ) -> jax.Array:
-        """Prefill chunks through the native packed kernel: q [N, H, E], k_new/v_new [N, K, E]
-        -> [N, H, E] float32. Each row's tokens are contiguous in the call (``_pack``)."""
-        from research import native
-
-        r = self.row_positions.shape[0]
-        n = q.shape[0]
-        counts = jax.ops.segment_sum(jnp.ones(n, jnp.int32), self.token_row, num_segments=r)
-        first = jax.ops.segment_min(jnp.arange(n, dtype=jnp.int32), self.token_row, r)
-        start = jnp.maximum(self.row_positions[:, 0], 0)
-        slot = self.pool.slot(layer)
-        return native.packed_attention(
-            q,
-            k_new,
-            v_new,
-            self.pool.k[slot],
-            self.pool.v[slot],
-            tables,
-            start,
-            jnp.where(counts > 0, first, 0),
-            counts,
-            scale,
-        )
-
-    def _pack(
-        self, out: jax.Array, k_new: jax.Array, v_new: jax.Array
-    ) -> tuple[jax.Array, PagedKVCache]:
-        """Rows [R, T, H, E] back to packed tokens [1, N, H, E], and this layer's new K/V kept."""
-        out = out.at[self.token_row, self.token_col].get(mode="fill", fill_value=0)  # [N, H, E]
-        return out[None], dataclasses.replace(
-            self, new_k=[*self.new_k, k_new[0]], new_v=[*self.new_v, v_new[0]]
-        )
-
-
 def write_kv(
     pool: KVPool,
     new_k: list[jax.Array],
@@ -385,242 +245,6 @@ def _write_paired(
             if lists[name]:
                 lists[name][slot] = getattr(one, name)[0]
     return dataclasses.replace(pool, **lists)
-
-
-def _gather_attention(
-    q: jax.Array,
-    k_new: jax.Array,
-    v_new: jax.Array,
-    pool: KVPool,
-    layer: int,
-    block_tables: jax.Array,
-    positions: jax.Array,
-    scale: float,
-    backend: str,
-    window: int | None = None,
-    sinks: jax.Array | None = None,
-) -> jax.Array:
-    """Pure-XLA paged attention: gather each row's blocks, append the new tokens, masked GQA.
-
-    Rows hold contiguous positions start..start+T-1 (padding -1). A query at position p sees its
-    row's cached positions < start and the new tokens at positions <= p, and with a ``window``
-    only those > p - window; everything else (other rows' blocks, unused table entries,
-    NaN-filled free blocks, blocks that slid out of the window) is masked out exactly."""
-    del backend
-    r, m = block_tables.shape
-    kvh, _, p = pool.k[layer].shape[:3]
-    e = q.shape[-1]
-
-    def gather(which: str, new: jax.Array) -> jax.Array:
-        g = pool.read(layer, which, block_tables, q.dtype)  # [K, R, M, P, E]
-        g = g.transpose(1, 0, 2, 3, 4).reshape(r, kvh, m * p, e)  # [R, K, M*P, E]
-        return jnp.concatenate([g, new.transpose(0, 2, 1, 3).astype(g.dtype)], axis=2)
-
-    start = positions[:, 0]  # [R]; -1 for padding rows
-    valid_q = (positions >= 0)[:, :, None]  # [R, T, 1]
-    ctx_pos = jnp.arange(m * p)
-    mask_ctx = (ctx_pos[None, None, :] < start[:, None, None]) & valid_q  # [R, T, M*P]
-    if window is not None:
-        mask_ctx &= ctx_pos[None, None, :] > positions[:, :, None] - window
-    mask = jnp.concatenate([mask_ctx, _new_token_mask(positions, window)], axis=-1)
-    return grouped_query_attention(q, gather("k", k_new), gather("v", v_new), mask, scale, sinks)
-
-
-def _new_token_mask(positions: jax.Array, window: int | None = None) -> jax.Array:
-    """[R, T, T]: a query at position p sees its row's new tokens at positions <= p (and
-    > p - window)."""
-    valid_q = (positions >= 0)[:, :, None]
-    causal = (positions[:, None, :] <= positions[:, :, None]) & (positions[:, None, :] >= 0)
-    if window is not None:
-        causal &= positions[:, None, :] > positions[:, :, None] - window
-    return causal & valid_q
-
-
-def _kernel_attention(
-    q: jax.Array,
-    k_new: jax.Array,
-    v_new: jax.Array,
-    pool: KVPool,
-    layer: int,
-    block_tables: jax.Array,
-    positions: jax.Array,
-    scale: float,
-    backend: str,
-    window: int | None = None,
-    sinks: jax.Array | None = None,
-) -> jax.Array:
-    """The cached context through a paged-attention kernel that reads the pages in place (the
-    Pallas kernel, or the native CPU one for ``backend="native"``), merged with attention over
-    the call's new tokens: out = (w_c * out_c + w_n * out_n) / (w_c + w_n + w_s),
-    w = exp(lse - max), w_s = exp(sink - max) with attention sinks (0 without).
-
-    Every query token becomes one kernel query with its row's block table and the row's cached
-    length (its start position), so a prefill chunk of T tokens costs T decode queries. With a
-    ``window`` each query passes its own position, and the Pallas kernel reads only the pages
-    of its window; the native kernel has no window."""
-    if window is not None and backend == "native":
-        raise ValueError(
-            f"attention_backend {backend!r}: the native paged-attention kernel has no sliding "
-            "window; use attention_backend='xla' or a Pallas backend for sliding-window layers"
-        )
-    r, t, h, e = q.shape
-    start = jnp.maximum(positions[:, 0], 0)  # cached tokens per row (0 for padding rows)
-    tables, lengths = jnp.repeat(block_tables, t, axis=0), jnp.repeat(start, t)
-    if block_tables.shape[1] == 0:  # a call of fresh prompts (M = 0): no cached context
-        ctx_out = jnp.zeros((r * t, h, e), jnp.float32)
-        ctx_lse = jnp.full((r * t, h), -jnp.inf, jnp.float32)
-    elif backend == "native":
-        from research import native
-
-        ctx_out, ctx_lse = native.paged_attention(
-            q.reshape(r * t, h, e), pool.k[layer], pool.v[layer], tables, lengths, scale
-        )
-    else:
-        query_positions = None if window is None else positions.reshape(r * t)
-        ctx_out, ctx_lse = _pallas_context(
-            q.reshape(r * t, h, e),
-            pool,
-            layer,
-            tables,
-            lengths,
-            scale,
-            backend,
-            window,
-            query_positions,
-        )
-    new_out, new_lse = _new_token_attention(q, k_new, v_new, positions, scale, window)
-    ctx_out = ctx_out.reshape(r, t, h, e).astype(jnp.float32)
-    ctx_lse = ctx_lse.reshape(r, t, h)
-    top = jnp.maximum(ctx_lse, new_lse)
-    if sinks is not None:
-        sink = jnp.broadcast_to(sinks.astype(jnp.float32), top.shape)  # [R, T, H]
-        top = jnp.maximum(top, sink)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    w_ctx, w_new = jnp.exp(ctx_lse - top), jnp.exp(new_lse - top)  # 0 where a side is empty
-    total = w_ctx + w_new
-    if sinks is not None:
-        total = total + jnp.exp(sink - top)
-    denom = jnp.where(total > 0, total, 1.0)
-    out = (w_ctx[..., None] * ctx_out + w_new[..., None] * new_out) / denom[..., None]
-    return out.astype(q.dtype)
-
-
-def _new_token_attention(
-    q: jax.Array,
-    k_new: jax.Array,
-    v_new: jax.Array,
-    positions: jax.Array,
-    scale: float,
-    window: int | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Attention of the call's queries over the call's own new tokens (those within ``window``),
-    in float32: (out, lse). A decode row (T = 1) sees exactly its own token, so its out is that
-    token's V and its lse its one score: no batched dot (XLA:CPU runs small bf16 batched dots
-    on a slow path)."""
-    f32 = jnp.float32
-    q, k_new, v_new = q.astype(f32), k_new.astype(f32), v_new.astype(f32)
-    r, t, h, e = q.shape
-    if t > 1:
-        return attention_with_lse(q, k_new, v_new, _new_token_mask(positions, window), scale)
-    kvh = k_new.shape[2]
-    g = h // kvh
-    valid = (positions[:, 0] >= 0)[:, None, None]  # [R, 1, 1]
-    score = jnp.sum(q.reshape(r, kvh, g, e) * k_new.reshape(r, kvh, 1, e), axis=-1) * scale
-    lse = jnp.where(valid, score, -jnp.inf).reshape(r, 1, h)
-    out = jnp.broadcast_to(v_new.reshape(r, kvh, 1, e), (r, kvh, g, e))
-    out = jnp.where(valid[..., None], out, 0.0).reshape(r, 1, h, e)
-    return out, lse
-
-
-def _pallas_context(
-    q: jax.Array,
-    pool: KVPool,
-    layer: int,
-    tables: jax.Array,
-    lengths: jax.Array,
-    scale: float,
-    backend: str,
-    window: int | None = None,
-    query_positions: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """The Pallas paged-attention kernel over the cached context: (out, lse) per query; with a
-    ``window``, over the context tokens within it of each query's position."""
-    from pallas_kernels.paged_attention import paged_attention
-    from pallas_kernels.tuning import target_for_backend
-
-    target = target_for_backend(backend)
-    k_pages, v_pages = pool.view(pool.k[layer]), pool.view(pool.v[layer])
-    if k_pages.dtype == jnp.float8_e4m3fn:
-        target.require_fp8("the KV cache")
-    e = q.shape[-1]
-    return paged_attention(
-        q,
-        k_pages,
-        v_pages,
-        tables,
-        lengths,
-        sm_scale=scale,
-        k_scales=pool.k_scales[layer] if pool.quantized else None,
-        v_scales=pool.v_scales[layer] if pool.quantized else None,
-        window=window,
-        query_positions=query_positions,
-        return_lse=True,
-        **target.paged_attention.kwargs(
-            page_size=k_pages.shape[2],
-            head_dim=e,
-            code_dim=k_pages.shape[3],
-            q_dtype=q.dtype,
-            page_dtype=k_pages.dtype,
-        ),
-        interpret=backend == "pallas_interpret",
-    )
-
-
-def native_supports(dtype: Any, kv_cache_dtype: str, cfg: ModelConfig | None = None) -> str | None:
-    """Why the native CPU attention cannot serve a pool of ``dtype`` pages for ``cfg`` (None =
-    it can)."""
-    if cfg is not None and (cfg.attention_sinks or cfg.sliding_layers):
-        return f"{cfg.name}'s sliding windows and attention sinks (the kernel has neither)"
-    if kv_cache_dtype != "auto":
-        return f"kv_cache_dtype={kv_cache_dtype!r} (native attention reads float32/bfloat16 pages)"
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        return f"{jnp.dtype(dtype).name} pages (native attention reads float32/bfloat16 pages)"
-    if jax.default_backend() != "cpu":
-        return f"the {jax.default_backend()} platform (native attention runs on CPU)"
-    from research import native
-
-    if not native.available():
-        return f"the native library did not build: {native.build_error()}"
-    return None
-
-
-def resolve_attention_backend(
-    backend: str,
-    dtype: Any,
-    kv_cache_dtype: str,
-    sharded: bool = False,
-    cfg: ModelConfig | None = None,
-) -> str:
-    """``"auto"``: the native CPU kernel where it serves this pool and model (CPU,
-    float32/bfloat16 pages, one device, no sliding windows or sinks, the library built), else
-    the XLA reference. An explicit ``"native"`` that cannot serve is an error naming why."""
-    if backend == "auto":
-        if sharded or native_supports(dtype, kv_cache_dtype, cfg) is not None:
-            return "xla"
-        return "native"
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(
-            f"attention_backend must be 'auto' or one of {ATTENTION_BACKENDS}, got {backend!r}"
-        )
-    if backend == "native":
-        why = (
-            "tensor/expert parallel plans"
-            if sharded
-            else native_supports(dtype, kv_cache_dtype, cfg)
-        )
-        if why is not None:
-            raise ValueError(f'attention_backend="native" cannot serve {why}; use "xla"')
-    return backend
 
 
 def copy_blocks(pool: KVPool, src: jax.Array, dst: jax.Array) -> KVPool:

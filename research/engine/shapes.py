@@ -4,7 +4,7 @@ The scheduler's decisions depend on the requests, the pool and the budget, never
 model samples (with ``ignore_eos``, as the benchmark sends them) nor on how long a step takes
 (in a closed loop). So the workload run through a shadow of the engine, the same scheduler
 over an executor that computes nothing, makes exactly the calls the real run will make.
-``predict_step_shapes`` returns their (N, R, T, M) shapes; ``ModelExecutor.precompile`` then
+``predict_step_shapes`` returns their (N, R, M) shapes; ``ModelExecutor.precompile`` then
 compiles them before the clock starts, as vLLM captures its CUDA graphs at start-up. With an
 open-loop request rate the arrivals follow a virtual clock instead, so the prediction may miss
 a shape: the benchmark's ``new_compilations`` column says so per point.
@@ -17,6 +17,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from research.engine.compile_manager import bucket
 from research.engine.executor import StepResult
 
 
@@ -25,15 +26,15 @@ class ShapeRecorder:
 
     def __init__(self, executor: Any):
         self.executor = executor
-        self.shapes: set[tuple[int, int, int, int]] = set()
+        self.shapes: set[tuple[int, int, int]] = set()
         self.num_compilations = 0
+        self.verify_tokens_per_row = executor.verify_tokens_per_row
 
     def execute(self, plan: Any) -> StepResult:
-        for group, is_decode in ((plan.decodes, True), (plan.prefills, False)):
-            if group:
-                self.shapes.add(self.executor.call_shape(group, is_decode))
+        if not plan.is_empty:
+            self.shapes.add(self.executor.call_shape(plan))
         tokens = {item.seq.request_id: 0 for item in plan.scheduled}
-        return StepResult(tokens, dict.fromkeys(tokens, math.inf), 0.0, 0.0)
+        return StepResult(tokens, dict.fromkeys(tokens, math.inf), 0.0, 0.0, forward_passes=1)
 
     def poison_blocks(self, block_ids: list[int], value: float = float("nan")) -> None:
         del block_ids, value
@@ -47,8 +48,8 @@ def predict_step_shapes(
     request_rate: float = math.inf,
     burstiness: float = 1.0,
     seed: int = 0,
-) -> set[tuple[int, int, int, int]]:
-    """The (N, R, T, M) shapes of every call ``engine`` makes to serve ``requests`` (``BenchRequest``
+) -> set[tuple[int, int, int]]:
+    """The (N, R, M) shapes of every step ``engine`` makes to serve ``requests`` (``BenchRequest``
     s) under the given load, found by running them through a shadow engine (same model config,
     pool size, scheduler and context length; nothing is computed)."""
     from research.bench.driver import run_benchmark
@@ -78,4 +79,23 @@ def predict_step_shapes(
         clock=clock,
         sleep=clock.sleep,
     )
-    return recorder.shapes
+    return _with_verification(engine.executor, recorder.shapes)
+
+
+def _with_verification(
+    executor: Any, shapes: set[tuple[int, int, int]]
+) -> set[tuple[int, int, int]]:
+    """With speculative decoding, rows may also carry drafts, which the shadow (no proposer, no
+    model) cannot know: each predicted step may hold up to S - 1 more tokens per row, so the
+    token buckets up to that many are added."""
+    s = getattr(executor, "verify_tokens_per_row", 0)
+    if s <= 1:
+        return shapes
+    cap = executor.compiler.token_cap
+    out = set(shapes)
+    for n, r, m in shapes:
+        most = bucket(n + r * (s - 1), 1, cap)
+        while n < most:
+            n = bucket(n + 1, 1, cap)
+            out.add((n, r, m))
+    return out

@@ -24,18 +24,21 @@ def sharded_attention(
     pool: Any,
     layer: int,
     block_tables: jax.Array,
-    positions: jax.Array,
+    meta: Any,
     scale: float,
-    backend: str,
+    window: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """``attend`` (``kv_cache._gather_attention`` or ``_kernel_attention``) per device: q
-    [R, T, H, E] split by query head, the new K/V [R, T, K, E] and the layer's pages [K, ...]
-    split by kv head; block tables and positions replicated."""
+    """``attend`` (a ``research.engine.attention`` backend) per device: q [N, H, E] split by
+    query head, the new K/V [N, K, E] and the layer's pages [K, ...] split by kv head; block
+    tables and the step's attention metadata replicated."""
+    if sinks is not None:
+        raise ValueError("tensor parallelism does not split attention sinks (gpt-oss)")
     heads = plan.spec(("q_heads",))[0]
     kv = plan.spec(("kv_heads",))[0]
     scales = [pool.k_scales[layer], pool.v_scales[layer]] if pool.quantized else []
 
-    def local(q, k_new, v_new, k_pages, v_pages, block_tables, positions, *scales):
+    def local(q, k_new, v_new, k_pages, v_pages, block_tables, meta, *scales):
         one = dataclasses.replace(
             pool,
             k=[k_pages],
@@ -43,24 +46,24 @@ def sharded_attention(
             k_scales=list(scales[:1]),
             v_scales=list(scales[1:]),
         )
-        return attend(q, k_new, v_new, one, 0, block_tables, positions, scale, backend)
+        return attend(q, k_new, v_new, one, 0, block_tables, meta, scale, window=window)
 
     return jax.shard_map(
         local,
         mesh=plan.mesh,
         in_specs=(
-            P(None, None, heads, None),
-            P(None, None, kv, None),
-            P(None, None, kv, None),
+            P(None, heads, None),
+            P(None, kv, None),
+            P(None, kv, None),
             P(kv),
             P(kv),
             P(),
-            P(),
+            jax.tree_util.tree_map(lambda _: P(), meta),
             *[P(kv)] * len(scales),
         ),
-        out_specs=P(None, None, heads, None),
+        out_specs=P(None, heads, None),
         check_vma=False,
-    )(q, k_new, v_new, pool.k[layer], pool.v[layer], block_tables, positions, *scales)
+    )(q, k_new, v_new, pool.k[layer], pool.v[layer], block_tables, meta, *scales)
 
 
 def _local_experts(w: Any) -> Any:

@@ -1,0 +1,461 @@
+"""Paged attention over one step's ragged token batch, behind one interface.
+
+A step is one forward pass over N packed tokens from R rows (sequences): decodes (one token),
+prefill chunks and speculative verifications (a row's last token and its drafts) in any mix.
+Attention reads them as vLLM v1's attention metadata describes them (``AttentionMetadata``):
+each token's position and row, ``query_start_loc`` [R+1] (row r's tokens are
+``query_start_loc[r] : query_start_loc[r+1]``), ``seq_lens`` [R] (cached context + new tokens)
+and the block tables [R, M]. Padded rows have no tokens and length 0; padded tokens (row R,
+position -1) attend to nothing and are written nowhere.
+
+The new tokens' K/V are not in the pool yet: the step collects them and ``write_kv`` scatters
+them into the donated pool after the forward (reading and updating the pool in one XLA
+computation copies it on XLA:CPU). So every backend computes, per query token at position p
+of row r, attention over row r's cached context (positions < context length) and over row r's
+new tokens at positions <= p, within a sliding ``window`` where the layer has one, with
+attention ``sinks`` (gpt-oss) in the softmax denominator.
+
+Backends (``ATTENTION_BACKENDS``):
+
+- ``xla``: the reference. Query tiles: each row's tokens are cut into tiles of ``b`` tokens
+  (``tile_size``: 1 for decode-only steps, larger for prefill chunks); the tile count has a
+  static upper bound ``(N + R (b - 1)) / b``, so one compile serves every mix. Each tile
+  gathers its row's pages and attends over them and the step's new tokens (masked to its row).
+- ``native``: the C++ CPU kernel (``research.native.packed_attention``): the whole step's rows
+  in one causal pass (context pages + each row's new tokens), no tiles, no padding.
+- ``pallas`` / ``pallas_interpret``: the Pallas paged-attention kernel (compiled for the GPU /
+  interpreted on CPU) over each query token's cached context, merged by log-sum-exp with the
+  reference's attention over the new tokens.
+
+``resolve_attention_backend("auto", ...)`` picks Pallas on a GPU, the native kernel on a CPU
+where it builds and serves the pool, else XLA, and says why (``AttentionChoice``).
+
+Axis legend: N = packed tokens, R = rows, M = blocks per row, K = kv heads, G = query heads per
+kv head, H = K G query heads, E = head_dim, P = tokens per block, Q = query tiles, b = tile size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from research.config import ModelConfig
+from research.engine.kv_cache import KVPool
+
+ATTENTION_BACKENDS = ("xla", "native", "pallas", "pallas_interpret")
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class AttentionMetadata:
+    """A step's ragged batch as attention reads it (device arrays)."""
+
+    positions: jax.Array  # [N] int32, -1 = padding
+    token_row: jax.Array  # [N] int32: each token's row, R = padding
+    query_start_loc: jax.Array  # [R+1] int32
+    seq_lens: jax.Array  # [R] int32: cached context + this step's tokens; 0 = padded row
+    block_tables: jax.Array  # [R, M] int32
+    sliding_block_tables: jax.Array | None = None  # [R, M]: sliding-window layers' tables
+
+    @property
+    def num_new(self) -> jax.Array:
+        """[R]: each row's tokens in this step."""
+        return self.query_start_loc[1:] - self.query_start_loc[:-1]
+
+    @property
+    def context_lens(self) -> jax.Array:
+        """[R]: each row's cached tokens before this step."""
+        return jnp.maximum(self.seq_lens - self.num_new, 0)
+
+
+# ------------------------------------------------------------------ the XLA reference
+
+
+TILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def num_tiles(n: int, r: int, b: int) -> int:
+    """Upper bound on the query tiles of ``b`` tokens that N tokens in R rows need: a row of n_r
+    tokens takes ceil(n_r / b) <= (n_r + b - 1) / b."""
+    return max(1, min(n, (n + r * (b - 1)) // b))
+
+
+def tile_size(n: int, r: int) -> int:
+    """The tile size (static, from the step's shape) that minimizes tiles x (tile + 8): each
+    tile gathers its row's pages once (the 8) and scores its b queries. A decode-only step
+    (N = R) gets b = 1: one tile per row, nothing scored twice."""
+    return min(TILE_SIZES, key=lambda b: (num_tiles(n, r, b) * (b + 8), b))
+
+
+def query_tiles(meta: AttentionMetadata, n: int, b: int) -> tuple[jax.Array, ...]:
+    """Tiles of ``b`` consecutive tokens of one row: (tile_row [Q] (R = empty tile), token
+    index [Q, b] (N = none), valid [Q, b])."""
+    r = meta.block_tables.shape[0]
+    q = num_tiles(n, r, b)
+    num_new = meta.num_new
+    per_row = (num_new + b - 1) // b
+    ends = jnp.cumsum(per_row)
+    idx = jnp.arange(q, dtype=jnp.int32)
+    tile_row = jnp.searchsorted(ends, idx, side="right").astype(jnp.int32)  # R past the last
+    row = jnp.minimum(tile_row, r - 1)
+    local = idx - (ends[row] - per_row[row])
+    count = jnp.where(tile_row < r, jnp.clip(num_new[row] - local * b, 0, b), 0)
+    offs = jnp.arange(b, dtype=jnp.int32)
+    valid = offs[None, :] < count[:, None]
+    token = jnp.where(valid, (meta.query_start_loc[row] + local * b)[:, None] + offs, n)
+    return tile_row, token, valid
+
+
+def _xla_attention(
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    pool: KVPool,
+    slot: int,
+    tables: jax.Array,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+    sinks: jax.Array | None = None,
+    context: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """Reference attention of every query token: q [N, H, E], k_new / v_new [N, K, E] ->
+    (out [N, H, E] float32, lse [N, H] float32; lse excludes ``sinks``). ``context=False``:
+    over the new tokens only (the Pallas backend reads the context with its kernel).
+
+    Masked keys contribute exactly zero, even where the pages hold NaN (freed blocks)."""
+    n, h, e = q.shape
+    kvh = k_new.shape[1]
+    g = h // kvh
+    r = tables.shape[0]
+    b = tile_size(n, r)
+    tile_row, token, valid = query_tiles(meta, n, b)
+    nq = token.shape[0]
+    row = jnp.minimum(tile_row, r - 1)
+    qt = q.at[token].get(mode="fill", fill_value=0)  # [Q, b, H, E]
+    qt = qt.reshape(nq, b, kvh, g, e).transpose(0, 2, 3, 1, 4)  # [Q, K, G, b, E]
+    pos = jnp.where(valid, meta.positions.at[token].get(mode="fill", fill_value=-1), -1)
+    f32 = jnp.float32
+
+    # the step's new tokens, masked to the tile's row, causal
+    key_pos = meta.positions
+    see_new = (meta.token_row[None, None, :] == tile_row[:, None, None]) & valid[..., None]
+    see_new &= (key_pos[None, None, :] <= pos[..., None]) & (key_pos >= 0)[None, None, :]
+    if window is not None:
+        see_new &= key_pos[None, None, :] > pos[..., None] - window
+    s_new = jnp.einsum("QKGBE,NKE->QKGBN", qt, k_new.astype(q.dtype), preferred_element_type=f32)
+    s_new = jnp.where(see_new[:, None, None], s_new * scale, -jnp.inf)
+    parts = [(s_new, see_new, v_new.astype(q.dtype), "QKGBN,NKE->QKGBE")]
+
+    if context and tables.shape[1] > 0:
+        m, p = tables.shape[1], pool.k[slot].shape[2]
+        rt = tables[row]  # [Q, M]
+
+        def gather(which: str) -> jax.Array:
+            pages = pool.read(slot, which, rt, q.dtype)  # [K, Q, M, P, E]
+            return pages.transpose(1, 0, 2, 3, 4).reshape(nq, kvh, m * p, e)
+
+        ctx_len = jnp.where(tile_row < r, meta.context_lens[row], 0)  # [Q]
+        cpos = jnp.arange(m * p, dtype=jnp.int32)
+        see_ctx = (cpos[None, None, :] < ctx_len[:, None, None]) & valid[..., None]
+        if window is not None:
+            see_ctx &= cpos[None, None, :] > pos[..., None] - window
+        kc, vc = gather("k"), gather("v")
+        s_ctx = jnp.einsum("QKGBE,QKSE->QKGBS", qt, kc, preferred_element_type=f32)
+        s_ctx = jnp.where(see_ctx[:, None, None], s_ctx * scale, -jnp.inf)
+        # a NaN page times a zero probability is NaN: zero the values no query sees
+        vc = jnp.where(see_ctx.any(axis=1)[:, None, :, None], vc, jnp.zeros((), vc.dtype))
+        parts.append((s_ctx, see_ctx, vc, "QKGBS,QKSE->QKGBE"))
+
+    top = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1) for s, *_ in parts])  # [Q,K,G,b]
+    if sinks is not None:
+        sink = jnp.broadcast_to(sinks.astype(f32).reshape(1, kvh, g, 1), top.shape)
+        top = jnp.maximum(top, sink)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weights = [jnp.where(m[:, None, None], jnp.exp(s - top[..., None]), 0.0) for s, m, *_ in parts]
+    total = sum(jnp.sum(w, axis=-1) for w in weights)
+    lse = jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + top, -jnp.inf)
+    if sinks is not None:
+        total = total + jnp.exp(sink - top)
+    denom = jnp.where(total > 0, total, 1.0)[..., None]
+    out = sum(
+        jnp.einsum(eq, (w / denom).astype(vals.dtype), vals, preferred_element_type=f32)
+        for w, (_, _, vals, eq) in zip(weights, parts, strict=True)
+    )  # [Q, K, G, b, E]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(nq * b, h, e)
+    lse = lse.transpose(0, 3, 1, 2).reshape(nq * b, h)
+    flat = token.reshape(-1)
+    full = jnp.zeros((n, h, e), f32).at[flat].set(out, mode="drop")
+    full_lse = jnp.full((n, h), -jnp.inf, f32).at[flat].set(lse, mode="drop")
+    return full, full_lse
+
+
+def xla_attention(q, k_new, v_new, pool, slot, tables, meta, scale, window=None, sinks=None):
+    """``_xla_attention``'s output [N, H, E] in q's dtype."""
+    out, _ = _xla_attention(q, k_new, v_new, pool, slot, tables, meta, scale, window, sinks)
+    return out.astype(q.dtype)
+
+
+# ------------------------------------------------------------------ kernels
+
+
+def native_attention(q, k_new, v_new, pool, slot, tables, meta, scale, window=None, sinks=None):
+    """The native CPU kernel over every row of the step at once (context pages + new tokens,
+    causal, in one pass)."""
+    if window is not None or sinks is not None:
+        raise ValueError(
+            "attention_backend 'native': the native kernel has no sliding window or sinks; use "
+            "attention_backend='xla' or a Pallas backend for this model"
+        )
+    from research import native
+
+    count = meta.num_new
+    out = native.packed_attention(
+        q,
+        k_new,
+        v_new,
+        pool.k[slot],
+        pool.v[slot],
+        tables,
+        meta.context_lens,
+        jnp.where(count > 0, meta.query_start_loc[:-1], 0),
+        count,
+        scale,
+    )
+    return out.astype(q.dtype)
+
+
+def merge_partials(
+    parts: list[tuple[jax.Array, jax.Array]], sinks: jax.Array | None = None
+) -> jax.Array:
+    """Softmax-weighted merge of partial attentions over disjoint keys: each (out [N, H, E]
+    normalized over its keys, lse [N, H]; -inf = no keys); ``sinks`` [H] join the
+    denominator. A query with no key at all gets 0."""
+    top = functools.reduce(jnp.maximum, [lse for _, lse in parts])
+    if sinks is not None:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32), top.shape)
+        top = jnp.maximum(top, sink)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weights = [jnp.exp(lse - top) for _, lse in parts]
+    total = sum(weights)
+    if sinks is not None:
+        total = total + jnp.exp(sink - top)
+    denom = jnp.where(total > 0, total, 1.0)
+    out = sum(
+        w[..., None] * o.astype(jnp.float32) for w, (o, _) in zip(weights, parts, strict=True)
+    )
+    return out / denom[..., None]
+
+
+def pallas_attention(
+    q, k_new, v_new, pool, slot, tables, meta, scale, window=None, sinks=None, interpret=False
+):
+    """The Pallas paged-attention kernel over each query token's cached context (its row's
+    table, the row's context length; with a window, the token's own position), merged with the
+    reference's attention over the new tokens."""
+    from pallas_kernels.paged_attention import paged_attention
+    from pallas_kernels.tuning import target_for_backend
+
+    backend = "pallas_interpret" if interpret else "pallas"
+    new = _xla_attention(q, k_new, v_new, pool, slot, tables, meta, scale, window, context=False)
+    parts = [new]
+    if tables.shape[1] > 0:
+        r = tables.shape[0]
+        row = jnp.minimum(meta.token_row, r - 1)
+        lengths = jnp.where(meta.token_row < r, meta.context_lens[row], 0)
+        target = target_for_backend(backend)
+        k_pages, v_pages = pool.view(pool.k[slot]), pool.view(pool.v[slot])
+        if k_pages.dtype == jnp.float8_e4m3fn:
+            target.require_fp8("the KV cache")
+        e = q.shape[-1]
+        parts.append(
+            paged_attention(
+                q,
+                k_pages,
+                v_pages,
+                tables[row],
+                lengths,
+                sm_scale=scale,
+                k_scales=pool.k_scales[slot] if pool.quantized else None,
+                v_scales=pool.v_scales[slot] if pool.quantized else None,
+                window=window,
+                query_positions=None if window is None else jnp.maximum(meta.positions, 0),
+                return_lse=True,
+                **target.paged_attention.kwargs(
+                    page_size=k_pages.shape[2],
+                    head_dim=e,
+                    code_dim=k_pages.shape[3],
+                    q_dtype=q.dtype,
+                    page_dtype=k_pages.dtype,
+                ),
+                interpret=interpret,
+            )
+        )
+    return merge_partials(parts, sinks).astype(q.dtype)
+
+
+Attend = Callable[..., jax.Array]
+
+BACKENDS: dict[str, Attend] = {
+    "xla": xla_attention,
+    "native": native_attention,
+    "pallas": pallas_attention,
+    "pallas_interpret": functools.partial(pallas_attention, interpret=True),
+}
+assert tuple(BACKENDS) == ATTENTION_BACKENDS
+
+
+# ------------------------------------------------------------------ the cache the model sees
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class PagedKVCache:
+    """The pool (read-only here), this step's attention metadata and the new K/V collected per
+    layer ([N, K, E], scattered into the pool by ``write_kv`` after the forward); passed
+    through ``research.models.transformer.forward``, which runs on one row of N packed tokens."""
+
+    pool: KVPool
+    meta: AttentionMetadata
+    new_k: list[jax.Array] = field(default_factory=list)
+    new_v: list[jax.Array] = field(default_factory=list)
+    backend: str = field(default="xla", metadata=dict(static=True))
+    plan: Any = field(default=None, metadata=dict(static=True))  # research.parallel.ShardingPlan
+
+    def update_and_attend(
+        self,
+        layer: int,
+        q: jax.Array,
+        k_new: jax.Array,
+        v_new: jax.Array,
+        positions: jax.Array,
+        scale: float,
+        window: int | None = None,
+        sinks: jax.Array | None = None,
+    ) -> tuple[jax.Array, PagedKVCache]:
+        """q [1, N, H, E], k_new/v_new [1, N, K, E] packed; positions [1, N] (the metadata's).
+        ``window``: a query at p sees positions > p - window only (sliding-window layers);
+        ``sinks`` [H]: per-head logits added to every softmax denominator (gpt-oss)."""
+        del positions  # the metadata carries them
+        if self.backend not in BACKENDS:
+            raise ValueError(f"attention_backend {self.backend!r}; available: {ATTENTION_BACKENDS}")
+        attend = BACKENDS[self.backend]
+        tables = self.meta.block_tables
+        if self.pool.is_sliding(layer):
+            tables = self.meta.sliding_block_tables
+        if self.plan is not None and self.plan.size > 1:
+            if sinks is not None:
+                raise ValueError("tensor parallelism does not split attention sinks (gpt-oss)")
+            from research.parallel.ops import sharded_attention
+
+            attend = functools.partial(sharded_attention, self.plan, attend)
+        out = attend(
+            q[0], k_new[0], v_new[0], self.pool, self.pool.slot(layer), tables, self.meta, scale,
+            window=window, sinks=sinks,
+        )  # fmt: skip
+        return out[None], dataclasses.replace(
+            self, new_k=[*self.new_k, k_new[0]], new_v=[*self.new_v, v_new[0]]
+        )
+
+
+# ------------------------------------------------------------------ choosing a backend
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    """The backend a run uses and why (recorded in every results row's provenance)."""
+
+    name: str
+    reason: str
+
+
+def native_supports(dtype: Any, kv_cache_dtype: str, cfg: ModelConfig | None = None) -> str | None:
+    """Why the native CPU attention cannot serve a pool of ``dtype`` pages for ``cfg`` (None =
+    it can)."""
+    if cfg is not None and (cfg.attention_sinks or cfg.sliding_layers):
+        return f"{cfg.name}'s sliding windows and attention sinks (the kernel has neither)"
+    if kv_cache_dtype != "auto":
+        return f"kv_cache_dtype={kv_cache_dtype!r} (native attention reads float32/bfloat16 pages)"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        return f"{jnp.dtype(dtype).name} pages (native attention reads float32/bfloat16 pages)"
+    if jax.default_backend() != "cpu":
+        return f"the {jax.default_backend()} platform (native attention runs on CPU)"
+    from research import native
+
+    if not native.available():
+        return f"the native library did not build: {native.build_error()}"
+    return None
+
+
+def pallas_supports(
+    kv_cache_dtype: str, platform: str | None = None, device_kind: str | None = None
+) -> str | None:
+    """Why the compiled Pallas kernel cannot serve here (None = it can): it needs a GPU, and
+    fp8 pages need one Triton compiles fp8 for (``device_kind``: the GPU's, else the local
+    one's)."""
+    platform = platform or jax.default_backend()
+    if platform != "gpu":
+        return f"the {platform} platform (the Pallas Triton kernels compile for GPUs)"
+    if kv_cache_dtype == "fp8":
+        from pallas_kernels.tuning import target_for_backend, target_for_kind
+
+        target = target_for_kind(device_kind) if device_kind else target_for_backend("pallas")
+        if not target.supports_fp8:
+            return f"fp8 pages on sm_{target.compute_capability}"
+    return None
+
+
+def choose_attention_backend(
+    backend: str,
+    dtype: Any,
+    kv_cache_dtype: str,
+    sharded: bool = False,
+    cfg: ModelConfig | None = None,
+    platform: str | None = None,
+    device_kind: str | None = None,
+) -> AttentionChoice:
+    """``"auto"``: Pallas on a GPU, the native kernel on a CPU where it serves this pool and model
+    (float32/bfloat16 pages, one device, no sliding windows or sinks, the library built), else
+    the XLA reference. An explicit backend that cannot serve is an error naming why.
+    ``platform`` / ``device_kind``: where the run is (default: this process's devices)."""
+    platform = platform or jax.default_backend()
+    if backend == "auto":
+        if (why_not := pallas_supports(kv_cache_dtype, platform, device_kind)) is None:
+            return AttentionChoice("pallas", f"auto: the {platform} platform")
+        if platform == "gpu":
+            return AttentionChoice("xla", f"auto: Pallas cannot serve {why_not}")
+        if sharded:
+            return AttentionChoice("xla", "auto: tensor/expert parallel plans run the reference")
+        if (why_not := native_supports(dtype, kv_cache_dtype, cfg)) is not None:
+            return AttentionChoice("xla", f"auto: the native kernel cannot serve {why_not}")
+        return AttentionChoice("native", "auto: the native kernel serves this CPU")
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"attention_backend must be 'auto' or one of {ATTENTION_BACKENDS}, got {backend!r}"
+        )
+    if backend == "native":
+        why = (
+            "tensor/expert parallel plans"
+            if sharded
+            else native_supports(dtype, kv_cache_dtype, cfg)
+        )
+        if why is not None:
+            raise ValueError(f'attention_backend="native" cannot serve {why}; use "xla"')
+    return AttentionChoice(backend, "asked for")
+
+
+def resolve_attention_backend(
+    backend: str,
+    dtype: Any,
+    kv_cache_dtype: str,
+    sharded: bool = False,
+    cfg: ModelConfig | None = None,
+) -> str:
+    """``choose_attention_backend``'s name."""
+    return choose_attention_backend(backend, dtype, kv_cache_dtype, sharded, cfg).name

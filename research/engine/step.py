@@ -1,0 +1,184 @@
+"""The jitted engine step: one forward pass over every token scheduled in a step.
+
+Whatever the mix of decodes, prefill chunks and speculative verifications, a step is one call
+of ``model_step`` over a flat token axis (``StepInputs``, vLLM v1's model-runner inputs): token
+ids and positions [N], ``query_start_loc`` [R+1], sequence lengths [R], block tables [R, M],
+and the indices of the tokens whose logits are sampled or scored, ``logits_indices`` [R, S].
+S is 1, or 1 + the configured drafts with speculative decoding: a verification row scores its
+last token and each draft; other rows use their first column (their last token). Every
+weight is read once per step.
+
+The step then samples one token per row from its first scored position (``sample``) and, with
+speculation, accepts or rejects each verification row's drafts (``rejection_sample``) on
+device. The new K/V of every layer are returned and scattered into the donated pool by a second
+jitted call (``write_kv``) at the step's slot mapping [N].
+
+The jitted functions live at module level with the model config static, so every executor of
+the same model in a process shares compiled code. ``STEP_TRACES`` counts the step's traces
+(= compilations) in this process.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from research.engine.attention import AttentionMetadata, PagedKVCache
+from research.engine.kv_cache import KVPool, copy_blocks, fill_blocks, write_kv
+from research.engine.rejection_sampler import rejection_sample
+from research.engine.request import MAX_LOGPROBS
+from research.engine.sampler import SamplingTensors, greedy, sample, token_logprobs
+from research.models.transformer import Params, compute_logits, forward
+
+STEP_TRACES = [0]
+# Forward passes the jitted step makes per call: one ``forward`` over all its tokens. Counted at
+# trace time from the number of ``forward`` calls the step's body makes (``forward_passes``).
+_FORWARDS_IN_TRACE = [0]
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class StepInputs:
+    """One step's inputs on the flat token axis (N tokens, R rows, S scored positions per row)."""
+
+    token_ids: jax.Array  # [N] int32
+    meta: AttentionMetadata  # positions, rows, query_start_loc, seq_lens, block tables
+    logits_indices: jax.Array  # [R, S] int32: packed index of each scored position
+    draft_tokens: jax.Array  # [R, S - 1] int32, -1 = none
+    num_drafts: jax.Array  # [R] int32
+    verify: jax.Array  # [R] bool: the row's tokens come from rejection sampling
+    sampling: SamplingTensors  # [R] each
+    # [N] int32: the next prompt token after each packed token, for requests that want their
+    # prompt's log-probabilities; -1 elsewhere
+    prompt_targets: jax.Array
+
+
+def _when(pred: jax.Array, fn: Any, rows: int) -> dict[str, jax.Array]:
+    """``token_logprobs``-shaped results of ``fn()`` if ``pred``, else zeros (lax.cond)."""
+    names = ("logprob", "rank", "top_ids", "top_logprobs")
+
+    def zeros() -> tuple[jax.Array, ...]:
+        k = MAX_LOGPROBS
+        return (
+            jnp.zeros(rows),
+            jnp.zeros(rows, jnp.int32),
+            jnp.zeros((rows, k), jnp.int32),
+            jnp.zeros((rows, k)),
+        )
+
+    return dict(zip(names, jax.lax.cond(pred, fn, zeros), strict=True))
+
+
+def _prompt_logprobs(
+    params: Params, cfg: Any, hidden: jax.Array, targets: jax.Array
+) -> tuple[jax.Array, ...]:
+    """``token_logprobs`` of every packed token's next prompt token: hidden [N, D], targets [N].
+    The head runs over chunks of at most 64 tokens, so the logits never take N x V at once."""
+    n = hidden.shape[0]
+    chunk = min(n & -n, 64)  # a power of two that divides N
+
+    def one(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+        h, t = args
+        return token_logprobs(compute_logits(params, cfg, h), t, MAX_LOGPROBS)
+
+    out = jax.lax.map(one, (hidden.reshape(n // chunk, chunk, -1), targets.reshape(-1, chunk)))
+    return tuple(x.reshape(n, *x.shape[2:]) for x in out)
+
+
+def _forward(params: Params, cfg: Any, inputs: StepInputs, cache: PagedKVCache, backend: str):
+    _FORWARDS_IN_TRACE[0] += 1
+    meta = inputs.meta
+    return forward(params, cfg, inputs.token_ids[None], meta.positions[None], cache, backend)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "plan"))
+def model_step(
+    params: Params,
+    pool: KVPool,
+    inputs: StepInputs,
+    *,
+    cfg: Any,
+    backend: str,
+    plan: Any = None,
+) -> dict[str, Any]:
+    """One forward over the step's tokens, then sampling (and verification). Returns:
+
+    - ``new_k`` / ``new_v``: per layer [N, K, E] (for ``write_kv``);
+    - ``tokens`` [R, S]: a row's accepted drafts then its sampled token (-1 after); rows that
+      do not verify have their sample in column 0; ``num_accepted`` [R];
+    - ``gaps`` [R, S]: the top-2 logit gap at every scored position;
+    - log-probabilities of each row's sample (``sample_*``, [R] and [R, MAX_LOGPROBS]) and of
+      each packed token's next prompt token (``prompt_*``, [N] ...), each branch computed only
+      when a row (or token) of the step asks for it, else zeros."""
+    STEP_TRACES[0] += 1  # runs only while tracing
+    cache = PagedKVCache(pool, inputs.meta, backend=backend, plan=plan)
+    hidden, cache = _forward(params, cfg, inputs, cache, backend)
+    r, s = inputs.logits_indices.shape
+    logits = compute_logits(params, cfg, hidden[0, inputs.logits_indices.reshape(-1)])
+    logits = logits.reshape(r, s, -1)  # [R, S, V]
+    greedy_tokens, gaps = greedy(logits.reshape(r * s, -1))
+    gaps = gaps.reshape(r, s)
+    first = logits[:, 0]
+    sampled = sample(first, inputs.sampling, greedy_tokens.reshape(r, s)[:, 0])
+    tokens = jnp.full((r, s), -1, jnp.int32).at[:, 0].set(sampled)
+    num_accepted = jnp.zeros(r, jnp.int32)
+    if s > 1:  # speculative decoding: verification rows take rejection sampling's tokens
+        verified, accepted = rejection_sample(
+            logits, inputs.draft_tokens, inputs.num_drafts, inputs.sampling
+        )
+        tokens = jnp.where(inputs.verify[:, None], verified, tokens)
+        num_accepted = jnp.where(inputs.verify, accepted, 0)
+    out: dict[str, Any] = {
+        "new_k": cache.new_k,
+        "new_v": cache.new_v,
+        "tokens": tokens,
+        "num_accepted": num_accepted,
+        "gaps": gaps,
+    }
+    out |= {
+        f"sample_{k}": v
+        for k, v in _when(
+            jnp.any(inputs.sampling.logprobs),
+            lambda: token_logprobs(first, sampled, MAX_LOGPROBS),
+            r,
+        ).items()
+    }
+    out |= {
+        f"prompt_{k}": v
+        for k, v in _when(
+            jnp.any(inputs.prompt_targets >= 0),
+            lambda: _prompt_logprobs(params, cfg, hidden[0], inputs.prompt_targets),
+            inputs.token_ids.shape[0],
+        ).items()
+    }
+    return out
+
+
+def forward_passes(params: Params, pool: KVPool, inputs: StepInputs, **static: Any) -> int:
+    """How many forward passes one call of ``model_step`` makes (traced abstractly, not run)."""
+    before = _FORWARDS_IN_TRACE[0]
+    jax.eval_shape(
+        functools.partial(model_step.__wrapped__, **static), params, pool, inputs
+    )  # the unjitted body: a fresh trace
+    STEP_TRACES[0] -= 1  # not a compilation
+    return _FORWARDS_IN_TRACE[0] - before
+
+
+write_kv_jit = jax.jit(write_kv, donate_argnums=0)
+copy_blocks_jit = jax.jit(copy_blocks, donate_argnums=0)
+fill_blocks_jit = jax.jit(fill_blocks, donate_argnums=0, static_argnums=2)
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A step output on the host. Across processes (``jax.distributed``) the outputs are
+    replicated on every device, so this process's own copy is the whole value."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    if not x.is_fully_replicated:
+        raise ValueError(f"a step output is split across processes: {x.sharding}")
+    return np.asarray(x.addressable_data(0))
