@@ -67,6 +67,14 @@ def _requests(run: RunConfig, backend: Backend, n: int, seed: int) -> list[Bench
     )
 
 
+def _attention_reason(backend: Backend) -> str:
+    """Why the run's attention backend is the one it is (the executor's choice), or ""."""
+    choice = getattr(
+        getattr(getattr(backend, "engine", None), "executor", None), "attention_choice", None
+    )
+    return choice.reason if choice is not None else ""
+
+
 def _delta(after: dict[str, Any], before: dict[str, Any], key: str) -> float:
     return float(after.get(key, 0.0)) - float(before.get(key, 0.0))
 
@@ -110,6 +118,7 @@ def run_point(
         "hardware": run.hardware.name,
         "executor": run.executor.kind,
         "attention_backend": getattr(backend, "attention_backend", run.executor.attention_backend),
+        "attention_backend_reason": _attention_reason(backend),
         "gemm_backend": getattr(backend, "gemm_backend", run.executor.gemm_backend),
         "scheduling_policy": run.scheduler.scheduling_policy,
         "block_size": run.cache.block_size,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from research.engine.attention import num_tiles, tile_size
 from research.engine.executor import bucket, context_bucket
 from research.perf.cost_model import CostParams, StepShape
 from research.perf.host_model import (
@@ -12,6 +13,8 @@ from research.perf.host_model import (
     SingleStream,
     _bucket,
     _context_bucket,
+    _num_tiles,
+    _tile_size,
     fit_host,
     host_hardware,
 )
@@ -29,19 +32,26 @@ def test_buckets_match_the_executor():
         assert _bucket(n, 1, 64) == bucket(n, 1, 64)
         assert _bucket(n, 16, 2048) == bucket(n, 16, 2048)
         assert _context_bucket(n, 8, 32) == context_bucket(n, 8, 32)
+    for n in (1, 4, 16, 64, 256, 2048):
+        for r in (1, 4, 16, 64):
+            assert _tile_size(n, r) == tile_size(n, r)
+            assert _num_tiles(n, r, 4) == num_tiles(n, r, 4)
 
 
-def test_decodes_and_prefills_are_two_padded_calls():
+def test_a_mixed_step_is_one_padded_call():
     cm = _model()
-    decode, prefill = cm.work(StepShape(((1, 130),) * 3 + ((100, 0),)))
-    assert (decode.tokens, decode.logits_rows) == (4, 4)  # 3 rows padded to 4
+    mixed = StepShape(((1, 130),) * 3 + ((100, 0),))
+    (call,) = cm.work(mixed)
+    assert (call.tokens, call.logits_rows) == (128, 4)  # 103 tokens -> 128, 4 rows
+    b = tile_size(128, 4)
+    tiles = num_tiles(128, 4, b)
     # ceil(131/16) = 9 blocks -> 16, twice the 8-block (128-token) minimum bucket
-    assert decode.kv_read_tokens == 4 * 256
-    assert (prefill.tokens, prefill.logits_rows) == (128, 1)  # 100 tokens padded to 128
-    assert prefill.attention_pairs == 1 * 128 * 128  # padded queries x bucketed keys
-    two = cm.breakdown(StepShape(((1, 130),) * 3 + ((100, 0),)))
+    assert call.kv_read_tokens == tiles * 256
+    assert call.attention_pairs == tiles * b * (256 + 128)  # tiles x queries x (context + new)
+    fresh = cm.work(StepShape(((100, 0),)))[0]
+    assert fresh.kv_read_tokens == 0  # fresh prompts read no context
     one = cm.breakdown(StepShape(((1, 130),) * 3))
-    assert two["overhead_s"] == pytest.approx(2 * one["overhead_s"])  # one dispatch per call
+    assert cm.breakdown(mixed)["overhead_s"] == pytest.approx(one["overhead_s"])  # one dispatch
 
 
 def test_fit_recovers_a_machine_from_single_stream_numbers():

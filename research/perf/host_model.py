@@ -3,15 +3,14 @@ single-stream runs only. It is how the simulator's structure is checked against 
 can measure (``python -m experiments.run experiment=validate_host``).
 
 ``HostCostModel`` is ``CostModel`` priced over the work our ``ModelExecutor`` actually launches
-(``research.engine.executor``): decodes and prefill chunks run as two calls; each call's rows are
-padded to a power of two (``bucket``), prefill tokens to a power of two >= 16, tokens per row to
-a power of two. Attention depends on the engine's ``attention_backend``: the XLA reference reads
-every row's bucketed block table (``context_bucket``, at least 128 tokens) for every padded query
-(no flash kernel: the score matrix is [rows, heads, queries, keys]), and a prefill call of fresh
-prompts only reads no cache at all (the executor runs it with M = 0); the native CPU kernels
-(``research.native``) read each row's own cached tokens in place, decode rows one query each,
-prefill chunks in one causal pass over the packed tokens (no padding).
-Each call pays the per-step host overhead (packing arrays, dispatch, reading the sampled tokens
+(``research.engine.executor``): one call per step over every scheduled token, its rows padded to
+a power of two (``bucket``), its tokens to a power of two. Attention depends on the engine's
+``attention_backend``: the XLA reference cuts each row's tokens into query tiles
+(``research.engine.attention.tile_size``), each reading its row's bucketed block table
+(``context_bucket``, at least 128 tokens; none when every row is a fresh prompt) and scoring
+it and the step's new tokens; the native CPU kernel (``research.native``) reads each row's own
+cached tokens in place, in one causal pass over the packed tokens (no padding).
+The step pays the per-step host overhead (packing arrays, dispatch, reading the sampled tokens
 back).
 
 ``fit_host`` fits the machine's effective read bandwidth, its effective matmul rate, the
@@ -44,6 +43,16 @@ from research.perf.hardware import GiB, Hardware
 def _bucket(n: int, minimum: int, maximum: int) -> int:
     """``research.engine.executor.bucket`` (duplicated arithmetic: that module imports JAX)."""
     return min(max(minimum, 1 << max(0, n - 1).bit_length()), maximum)
+
+
+def _num_tiles(n: int, r: int, b: int) -> int:
+    """``research.engine.attention.num_tiles``."""
+    return max(1, min(n, (n + r * (b - 1)) // b))
+
+
+def _tile_size(n: int, r: int) -> int:
+    """``research.engine.attention.tile_size``."""
+    return min((1, 2, 4, 8, 16, 32, 64), key=lambda b: (_num_tiles(n, r, b) * (b + 8), b))
 
 
 def _context_bucket(n: int, minimum: int, maximum: int) -> int:
@@ -117,54 +126,39 @@ class HostCostModel(CostModel):
         bs = self.block_size
         max_blocks = -(-self.max_model_len // bs)
         m_min = -(-128 // bs)
-        decodes = [(n, c) for n, c in shape.seqs if n == 1]
-        prefills = [(n, c) for n, c in shape.seqs if n > 1]
-        calls = []
-        for group, is_decode in ((decodes, True), (prefills, False)):
-            if not group:
-                continue
-            tokens = sum(n for n, _ in group)
-            r = _bucket(len(group), 1, self.max_num_seqs)
-            cap = max(16, self.max_num_batched_tokens)
-            n = r if is_decode else _bucket(tokens, 16, cap)
-            t = 1 if is_decode else _bucket(max(k for k, _ in group), 16, n)
-            if (
-                not is_decode
-                and self.attention_backend != "native"
-                and all(c == 0 for _, c in group)
-            ):
-                # Fresh prompts only: no cached context (the executor's M = 0 call).
-                read, pages, pairs = 0.0, 0.0, float(r * t * t)
-            elif self.attention_backend == "native":
-                # The native kernels read each row's own cached tokens in place (decodes: one
-                # query over them and its new token; prefill chunks: one causal pass over the
-                # packed tokens, each over its row's cache and the row's tokens up to itself).
-                read = float(sum(c for _, c in group))
-                pages = float(sum(math.ceil(c / bs) for _, c in group))
-                pairs = float(sum(k * c + k * (k + 1) // 2 for k, c in group))
-            else:
-                # Every row's bucketed block table gathered and scored for every padded query.
-                longest_table = max(math.ceil((c + k) / bs) for k, c in group)
+        seqs = shape.seqs
+        if not seqs:
+            return []
+        r = _bucket(len(seqs), 1, self.max_num_seqs)
+        cap = max(self.max_num_batched_tokens, self.max_num_seqs)
+        n = max(r, _bucket(sum(k for k, _ in seqs), 1, cap))
+        if self.attention_backend == "native":
+            # One packed causal pass: each row's own cached tokens, read in place, and its new
+            # tokens up to each query's own.
+            read = float(sum(c for _, c in seqs))
+            pages = float(sum(math.ceil(c / bs) for _, c in seqs))
+            pairs = float(sum(k * c + k * (k + 1) // 2 for k, c in seqs))
+        else:
+            # The XLA reference: query tiles of b tokens, each gathering its row's bucketed
+            # table (none when every row is a fresh prompt) and scoring it and the N new tokens.
+            b = _tile_size(n, r)
+            q = _num_tiles(n, r, b)
+            keys = 0
+            if any(c > 0 for _, c in seqs):
+                longest_table = max(math.ceil((c + k) / bs) for k, c in seqs)
                 keys = _context_bucket(longest_table, m_min, max_blocks) * bs
-                read, pages, pairs = float(r * keys), float(r * keys / bs), float(r * t * keys)
-            calls.append(
-                StepWork(
-                    tokens=n,
-                    logits_rows=r,
-                    seq_tokens=tuple(k for k, _ in group),
-                    kv_read_tokens=read,
-                    kv_pages=pages,
-                    attention_pairs=pairs,
-                    kv_write_tokens=n,
-                )
+            read, pages, pairs = float(q * keys), float(q * keys / bs), float(q * b * (keys + n))
+        return [
+            StepWork(
+                tokens=n,
+                logits_rows=r,
+                seq_tokens=tuple(k for k, _ in seqs),
+                kv_read_tokens=read,
+                kv_pages=pages,
+                attention_pairs=pairs,
+                kv_write_tokens=n,
             )
-        return calls
-
-    def breakdown(self, shape: StepShape) -> dict[str, Any]:
-        out = super().breakdown(shape)
-        extra_calls = len(self.work(shape)) - 1  # every call pays the dispatch overhead
-        extra = extra_calls * self.params.per_step_overhead_s
-        return out | {"overhead_s": out["overhead_s"] + extra, "total_s": out["total_s"] + extra}
+        ]
 
 
 @dataclass(frozen=True)
