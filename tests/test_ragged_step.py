@@ -44,10 +44,12 @@ def test_every_step_is_one_forward_pass_whatever_the_mix(spec):
         max_model_len=256,
         max_num_seqs=6,
         max_num_batched_tokens=32,
-        num_kv_blocks=24,  # small: preemption too
+        block_size=8,
+        num_kv_blocks=20,  # a tenth of what six rows need: preemption too
         speculative_config=spec,
     )
     log = _record_steps(llm)
+    jax.clear_caches()  # shapes traced by earlier tests would not be traced again
     forwards = step_module._FORWARDS_IN_TRACE[0]
     traces = step_module.STEP_TRACES[0]
     prompts = [p * 2 for p in _prompts(10, seed=3, hi=30)]  # repeats: n-gram drafts find them
@@ -76,7 +78,8 @@ def test_persistent_input_batch_equals_a_fresh_build_every_step():
         max_model_len=256,
         max_num_seqs=5,
         max_num_batched_tokens=24,
-        num_kv_blocks=20,
+        block_size=8,
+        num_kv_blocks=24,
         enable_prefix_caching=True,
         speculative_config={"method": "ngram", "num_speculative_tokens": 2},
     )
@@ -97,9 +100,8 @@ def test_persistent_input_batch_equals_a_fresh_build_every_step():
     def compared(rows, shape):
         got = prepare(rows, shape)
         want = fresh().prepare(rows, shape)
-        for a, b in zip(
-            jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True
-        ):
+        leaves = jax.tree_util.tree_leaves
+        for a, b in zip(leaves(got.inputs), leaves(want.inputs), strict=True):
             np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(got.slot_mapping, want.slot_mapping)
         checked[0] += 1

@@ -138,6 +138,9 @@ class InputBatch:
             first = max(0, min(old[1], n) - 1)
         if n > first:
             self.block_table[slot, first:n] = ids[first:n]
+        stale = self.max_blocks if old is None or first == 0 else old[1]
+        if stale > n:  # truncated (rejected drafts) or replaced: no stale block stays behind
+            self.block_table[slot, n:stale] = 0
         self._table_state[slot] = state
         if self.hybrid:  # sliding entries leave the window in place (-1): rewrite them all
             sliding = np.asarray(seq.sliding_block_ids, np.int32)
