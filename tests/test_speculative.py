@@ -12,9 +12,9 @@ import pytest
 from scipy import stats
 
 from research.config import SpeculativeConfig
-from research.engine.proposer import NgramProposer
-from research.engine.rejection_sampler import rejection_sample
 from research.engine.sampler import SamplingTensors
+from research.engine.spec.ngram import NgramProposer
+from research.engine.spec.rejection import rejection_sample
 
 # ---------------------------------------------------------------------- config and proposer
 

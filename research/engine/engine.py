@@ -23,10 +23,12 @@ from research.config import CacheConfig, ModelConfig, SchedulerConfig, Speculati
 from research.engine.block_manager import BlockManager
 from research.engine.executor import ModelExecutor, StepResult, decode_logprobs, num_blocks_for
 from research.engine.isolation import isolate_failure
-from research.engine.proposer import NgramProposer
+from research.engine.output import OutputProcessor
 from research.engine.request import RequestMetrics, RequestOutput, SamplingParams
 from research.engine.scheduler import ScheduledSeq, Scheduler, StepPlan
 from research.engine.sequence import Sequence
+from research.engine.spec import SpecStats, make_proposer, propose
+from research.engine.validation import validate_request
 from research.models.transformer import Params
 from research.tokenizer import Tokenizer
 
@@ -125,10 +127,19 @@ class Engine:
             )
         if spec is not None and proposer is not None:
             self.proposer = proposer
-        elif spec is not None and spec.method == "ngram":
-            self.proposer = NgramProposer(spec)
         elif spec is not None:
-            self.proposer = self._draft_proposer(spec, draft_model, dtype, attention_backend)
+            self.proposer = make_proposer(
+                spec,
+                cfg,
+                draft_model=draft_model,
+                dtype=dtype,
+                attention_backend=attention_backend,
+                seed=self.seed,
+                num_blocks=self.block_manager.num_blocks,
+                block_size=self.block_manager.block_size,
+                max_num_seqs=self.scheduler_config.max_num_seqs,
+                max_model_len=self.max_model_len,
+            )
         if spec is not None and hasattr(self.executor, "verify_tokens_per_row"):
             self.executor.verify_tokens_per_row = 1 + spec.num_speculative_tokens
         # Timestamps in RequestMetrics come from ``clock`` (a simulated executor's virtual clock
@@ -142,55 +153,17 @@ class Engine:
         self._counter = 0
         # Called after each schedule(), before the step runs (the server refreshes its gauges).
         self.on_schedule: Callable[[], None] | None = None
-        self._eos = set(cfg.eos_token_ids)
+        eos = set(cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
-            self._eos.add(tokenizer.eos_token_id)
+            eos.add(tokenizer.eos_token_id)
+        self.outputs = OutputProcessor(tokenizer, eos)
 
     # ------------------------------------------------------------------ requests
 
     def validate(self, prompt_token_ids: Seq[int], sp: SamplingParams) -> None:
-        """Raise ValueError with the reason if the request cannot be served."""
-        if not isinstance(sp, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(sp).__name__}")
-        sp.validate()
-        if (sp.logprobs is not None or sp.prompt_logprobs is not None) and not getattr(
-            self.executor, "computes_logprobs", False
-        ):
-            raise ValueError(
-                f"logprobs need the model's logits; the {type(self.executor).__name__} does not "
-                "compute any"
-            )
-        vocab = self.model_config.vocab_size
-        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__len__"):
-            raise ValueError(
-                f"a prompt is a list of token ids here, got {type(prompt_token_ids).__name__}"
-            )
-        if len(prompt_token_ids) == 0:
-            raise ValueError("prompt is empty (0 tokens)")
-        for t in prompt_token_ids:
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
-        n = len(prompt_token_ids)
-        if n >= self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens; max_model_len is {self.max_model_len}")
-        if n + sp.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt has {n} tokens and max_tokens is {sp.max_tokens}: {n + sp.max_tokens} "
-                f"exceeds max_model_len {self.max_model_len}"
-            )
-        budget = self.scheduler_config.max_num_batched_tokens
-        if not self.scheduler_config.enable_chunked_prefill and n + sp.max_tokens > budget:
-            # A preempted request recomputes prompt + outputs in one step without chunking.
-            raise ValueError(
-                f"prompt + max_tokens = {n + sp.max_tokens} tokens exceeds "
-                f"max_num_batched_tokens {budget} and chunked prefill is off"
-            )
-        pool_tokens = self.block_manager.num_blocks * self.block_manager.block_size
-        if n + sp.max_tokens > pool_tokens:
-            raise ValueError(
-                f"prompt + max_tokens = {n + sp.max_tokens} tokens exceeds the whole KV pool "
-                f"({pool_tokens} tokens); raise num_kv_blocks"
-            )
+        """Raise ValueError with the reason if the request cannot be served
+        (``research.engine.validation``)."""
+        validate_request(self, prompt_token_ids, sp)
 
     def add_request(
         self,
@@ -296,7 +269,7 @@ class Engine:
         finished with ``finish_reason="error"``; the others advance as if nothing happened."""
         t0 = time.perf_counter()
         if self.proposer is not None:
-            self._propose()
+            propose(self.proposer, self.scheduler.running, self.spec_stats)
         plan = self.scheduler.schedule()
         if self.on_schedule is not None:
             self.on_schedule()
@@ -326,57 +299,6 @@ class Engine:
         self.num_forward_passes += getattr(result, "forward_passes", 0)
         self.step_time += time.perf_counter() - t0
         return outputs
-
-    def _draft_proposer(
-        self,
-        spec: SpeculativeConfig,
-        draft_model: tuple[ModelConfig, Params] | None,
-        dtype: Any,
-        attention_backend: str,
-    ) -> Any:
-        from research.engine.draft_proposer import DraftModelProposer
-
-        if draft_model is None:
-            from research.models.load import load_model
-
-            cfg, params, _ = load_model(spec.model, dtype, self.seed)
-        else:
-            cfg, params = draft_model
-        if cfg.vocab_size != self.model_config.vocab_size:
-            raise ValueError(
-                f"speculative_config: the draft model {spec.model!r} has a vocabulary of "
-                f"{cfg.vocab_size} tokens; the target's has {self.model_config.vocab_size}"
-            )
-        return DraftModelProposer(
-            spec,
-            cfg,
-            params,
-            num_blocks=self.block_manager.num_blocks,
-            block_size=self.block_manager.block_size,
-            max_num_seqs=self.scheduler_config.max_num_seqs,
-            max_model_len=self.max_model_len,
-            dtype=dtype,
-            attention_backend=attention_backend,
-        )
-
-    def _propose(self) -> None:
-        """Drafts for every caught-up running sequence (none for requests that want logprobs:
-        those are returned per sampled position). A sequence never drafts past max_tokens."""
-        t0 = time.perf_counter()
-        requests = []
-        for seq in self.scheduler.running:
-            seq.spec_token_ids = []
-            sp = seq.sampling_params
-            if seq.num_uncomputed_tokens != 1 or sp.logprobs is not None:
-                continue
-            room = sp.max_tokens - len(seq.output_token_ids) - 1
-            if room > 0:
-                requests.append((seq, room))
-        if requests:
-            drafts = self.proposer.propose_batch(requests)
-            for seq, room in requests:
-                seq.spec_token_ids = drafts.get(seq.request_id, [])[:room]
-        self.spec_stats.proposer_time += time.perf_counter() - t0
 
     def _check_seq(self, seq: Sequence) -> None:
         """Re-validate a scheduled request's own state (ValueError if it cannot be served)."""
@@ -408,8 +330,8 @@ class Engine:
                 n = seq.sampling_params.logprobs
                 if n is not None:
                     raw = result.logprobs[seq.request_id]
-                    seq.logprobs.append(decode_logprobs(raw, token, n, self._token_text))
-                self._append_and_check_stop(seq, token)
+                    seq.logprobs.append(decode_logprobs(raw, token, n, self.outputs.token_text))
+                self.outputs.append_and_check_stop(seq, token)
             except Exception as error:  # e.g. a detokenizer error: this request's alone
                 outputs.append(self._fail(seq, f"{type(error).__name__}: {error}"))
                 continue
@@ -436,11 +358,7 @@ class Engine:
         tokens = [*accepted, result.tokens[rid]]
         gaps = [*result.accepted_top2_gaps.get(rid, []), result.top2_gaps[rid]]
         stats = self.spec_stats
-        stats.num_drafts += 1
-        stats.num_draft_tokens += len(item.draft_token_ids)
-        stats.num_accepted_tokens += len(accepted)
-        for j in range(len(accepted)):
-            stats.accepted_per_position[j] = stats.accepted_per_position.get(j, 0) + 1
+        stats.record(item, accepted)
         m = seq.metrics
         if m.first_token_time is None:
             m.first_token_time = now
@@ -448,7 +366,7 @@ class Engine:
             for token, gap in zip(tokens, gaps, strict=True):
                 m.token_times.append(now)
                 seq.top2_gaps.append(gap)
-                self._append_and_check_stop(seq, token)
+                self.outputs.append_and_check_stop(seq, token)
                 if seq.finish_reason is not None:
                     break
         except Exception as error:  # e.g. a detokenizer error: this request's alone
@@ -459,54 +377,6 @@ class Engine:
             self._finish(seq)
         return self._output(seq)
 
-    def _append_and_check_stop(self, seq: Sequence, token: int) -> None:
-        """vLLM's stop rules: the token is always kept in ``token_ids`` (EOS included); the
-        length cap is checked first, then EOS (``stop_reason`` None), then stop token ids
-        (``stop_reason`` the token); a stop string found in the text overrides them all and cuts
-        the text there. A token that stopped the request is left out of its text."""
-        sp = seq.sampling_params
-        seq.output_token_ids.append(token)
-        if len(seq.output_token_ids) >= sp.max_tokens:
-            seq.finish_reason = "length"
-        elif not sp.ignore_eos and token in self._eos:
-            seq.finish_reason, seq.stop_reason = "stop", None
-        elif token in sp.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        if sp.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(self._text_ids(seq), sp.skip_special_tokens)
-            hit = next((s for s in sp.stop if s in text), None)
-            if hit is not None:
-                seq.finish_reason, seq.stop_reason = "stop", hit
-                seq.output_text = text[: text.index(hit)]
-
-    @staticmethod
-    def _text_ids(seq: Sequence) -> list[int]:
-        """The output tokens that make its text: all but a final EOS or stop token."""
-        if seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str):
-            return seq.output_token_ids[:-1]
-        return seq.output_token_ids
-
-    def _token_text(self, token: int) -> str | None:
-        if self.tokenizer is None:
-            return None
-        return self.tokenizer.decode([token], skip_special_tokens=False)
-
-    def _prompt_logprobs(self, seq: Sequence) -> list | None:
-        """vLLM's ``prompt_logprobs``: None for the first prompt token, then a dict per token;
-        decoded once, when the whole prompt has been computed."""
-        n = seq.sampling_params.prompt_logprobs
-        if n is None or seq.prompt_logprobs is not None:
-            return seq.prompt_logprobs
-        prompt = seq.prompt_token_ids
-        if any(p not in seq.prompt_logprobs_raw for p in range(1, len(prompt))):
-            return None  # still prefilling (or stopped before it finished)
-        raw = seq.prompt_logprobs_raw
-        seq.prompt_logprobs = [None] + [
-            decode_logprobs(raw[p], prompt[p], n, self._token_text) for p in range(1, len(prompt))
-        ]
-        seq.prompt_logprobs_raw = {}
-        return seq.prompt_logprobs
-
     def _finish(self, seq: Sequence) -> None:
         if self.proposer is not None:
             self.proposer.release(seq.request_id)
@@ -515,27 +385,7 @@ class Engine:
         seq.metrics.finished_time = self.clock()
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        text = seq.output_text
-        # Text is decoded once, at the end; streaming callers decode token ids themselves.
-        if self.tokenizer is not None and seq.is_finished and not isinstance(seq.stop_reason, str):
-            text = self.tokenizer.decode(
-                self._text_ids(seq), seq.sampling_params.skip_special_tokens
-            )
-            seq.output_text = text
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            text=text,
-            token_ids=list(seq.output_token_ids),
-            finish_reason=seq.finish_reason,
-            metrics=seq.metrics,
-            stop_reason=seq.stop_reason,
-            top2_logit_gaps=list(seq.top2_gaps),
-            num_preemptions=seq.num_preemptions,
-            logprobs=None if seq.sampling_params.logprobs is None else list(seq.logprobs),
-            prompt_logprobs=self._prompt_logprobs(seq),
-        )
+        return self.outputs.output(seq)
 
     # ------------------------------------------------------------------ stats
 
@@ -555,33 +405,3 @@ class Engine:
             "device_time_s": self.device_time,
             "host_time_s": self.step_time - self.device_time,
         } | (self.spec_stats.as_dict(self.num_steps) if self.proposer is not None else {})
-
-
-@dataclasses.dataclass
-class SpecStats:
-    """Speculative decoding counters (vLLM's names where it has them)."""
-
-    num_drafts: int = 0  # verified rows that carried drafts
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: dict[int, int] = dataclasses.field(default_factory=dict)
-    num_rollback_blocks: int = 0  # blocks released by rolling back rejected drafts
-    proposer_time: float = 0.0  # wall seconds spent proposing drafts
-
-    def as_dict(self, num_steps: int) -> dict[str, Any]:
-        n, drafted = self.num_drafts, self.num_draft_tokens
-        return {
-            "spec_num_drafts": n,
-            "spec_num_draft_tokens": drafted,
-            "spec_num_accepted_tokens": self.num_accepted_tokens,
-            "spec_acceptance_rate": self.num_accepted_tokens / drafted if drafted else 0.0,
-            # Tokens a verified row emits on average: its accepted drafts plus one sampled.
-            "spec_mean_acceptance_length": 1 + self.num_accepted_tokens / n if n else 0.0,
-            "spec_draft_tokens_per_step": drafted / num_steps if num_steps else 0.0,
-            "spec_accepted_per_position": [
-                self.accepted_per_position.get(j, 0)
-                for j in range(max(self.accepted_per_position, default=-1) + 1)
-            ],
-            "spec_rollback_blocks": self.num_rollback_blocks,
-            "spec_proposer_time_s": self.proposer_time,
-        }

@@ -202,13 +202,8 @@ class Scheduler:
         return sampled
 
     def commit_verified(self, item: ScheduledSeq, num_accepted: int) -> int:
-        """After the caller appended a verified chunk's accepted drafts and its sampled token:
-        the K/V of the last token and the accepted drafts are computed, the rejected drafts'
-        slots are rolled back (their blocks released where the rollback crosses a block
-        boundary; the next step overwrites the rest), and full blocks of accepted tokens are
-        registered in the prefix cache. Returns how many blocks were released."""
-        seq = item.seq
-        seq.num_computed_tokens = min(item.start + 1 + num_accepted, seq.num_tokens)
-        released = self.block_manager.trim(seq, seq.num_computed_tokens)
-        self.block_manager.cache_full_blocks(seq)
-        return released
+        """Commit a verified chunk once its accepted drafts and sampled token are appended:
+        ``research.engine.spec.rollback``. Returns how many blocks were released."""
+        from research.engine.spec.speculator import rollback
+
+        return rollback(self.block_manager, item, num_accepted)

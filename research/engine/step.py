@@ -30,9 +30,9 @@ import numpy as np
 
 from research.engine.attention import AttentionMetadata, PagedKVCache
 from research.engine.kv_cache import KVPool, copy_blocks, fill_blocks, write_kv
-from research.engine.rejection_sampler import rejection_sample
 from research.engine.request import MAX_LOGPROBS
 from research.engine.sampler import SamplingTensors, greedy, sample, token_logprobs
+from research.engine.spec.rejection import rejection_sample
 from research.models.transformer import Params, compute_logits, forward
 
 STEP_TRACES = [0]

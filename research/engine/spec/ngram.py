@@ -20,7 +20,7 @@ from research.config import SpeculativeConfig
 
 class NgramProposer:
     """``propose_batch`` / ``release``: the interface the engine calls (as the draft-model
-    proposer, ``research.engine.draft_proposer``)."""
+    proposer, ``research.engine.spec.draft``)."""
 
     def __init__(self, config: SpeculativeConfig):
         self.k = config.num_speculative_tokens
