@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from research.engine.attention import num_tiles, tile_size
+from research.engine.compile_manager import token_bucket
 from research.engine.executor import bucket, context_bucket
 from research.perf.cost_model import CostParams, StepShape
 from research.perf.host_model import (
@@ -32,6 +33,9 @@ def test_buckets_match_the_executor():
         assert _bucket(n, 1, 64) == bucket(n, 1, 64)
         assert _bucket(n, 16, 2048) == bucket(n, 16, 2048)
         assert _context_bucket(n, 8, 32) == context_bucket(n, 8, 32)
+    cm = _model()
+    for n in range(1, 300):  # the step's tokens, as the host model pads them
+        assert cm.work(StepShape(((n, 0),)))[0].tokens == token_bucket(n, 2048)
     for n in (1, 4, 16, 64, 256, 2048):
         for r in (1, 4, 16, 64):
             assert _tile_size(n, r) == tile_size(n, r)
@@ -43,6 +47,7 @@ def test_a_mixed_step_is_one_padded_call():
     mixed = StepShape(((1, 130),) * 3 + ((100, 0),))
     (call,) = cm.work(mixed)
     assert (call.tokens, call.logits_rows) == (128, 4)  # 103 tokens -> 128, 4 rows
+    assert cm.work(StepShape(((1, 130),) * 3 + ((64, 0),)))[0].tokens == 96  # 67 -> 96
     b = tile_size(128, 4)
     tiles = num_tiles(128, 4, b)
     # ceil(131/16) = 9 blocks -> 16, twice the 8-block (128-token) minimum bucket

@@ -1,7 +1,8 @@
 """Which shapes the engine step is compiled for, and compiling them before they are needed.
 
-A step's compiled shape is (N packed tokens, R rows, M blocks per row), each a bucket: N and
-R powers of two (capped at the token budget and ``max_num_seqs``), and M the longest block
+A step's compiled shape is (N packed tokens, R rows, M blocks per row), each a bucket: R a
+power of two (capped at ``max_num_seqs``), N a power of two up to 16 and then a power of two or
+its 1.5x midpoint (``token_bucket``, capped at the token budget), and M the longest block
 table's bucket for the XLA reference, whose gather reads every column; the kernels read each
 row's pages up to its length, so for them M is always the longest table a sequence can have
 and drops out. The mix of decodes, prefill chunks and verifications, the tokens per row and
@@ -53,6 +54,16 @@ def context_bucket(n: int, minimum: int, maximum: int) -> int:
         p *= 2
 
 
+def token_bucket(n: int, maximum: int) -> int:
+    """Tokens per step: a power of two up to 16, then 16 * {2, 3, 4, 6, 8, 12, ...}
+    (``context_bucket``'s powers of two and 1.5x midpoints), capped at maximum. Every padded
+    token costs a full forward, and a step's tokens are often a few decodes past a prefill
+    chunk's power of two: the midpoints cap that waste at a third instead of a half."""
+    if n <= 16:
+        return bucket(n, 1, maximum)
+    return context_bucket(n, 16, maximum)
+
+
 def _spec(a: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
 
@@ -96,7 +107,7 @@ class CompileManager:
     def shape_for(self, rows: list[ScheduledSeq]) -> Shape:
         """The bucketed (N, R, M) of the step that runs ``rows``."""
         r = bucket(len(rows), 1, self.max_num_seqs)
-        n = max(r, bucket(sum(item.num_new_tokens for item in rows), 1, self.token_cap))
+        n = max(r, token_bucket(sum(item.num_new_tokens for item in rows), self.token_cap))
         if not self.reads_whole_table:
             return n, r, self.max_blocks
         if all(item.start == 0 for item in rows):
@@ -106,8 +117,14 @@ class CompileManager:
         return n, r, context_bucket(longest, m_min, self.max_blocks)
 
     def token_buckets(self) -> list[int]:
-        cap = self.token_cap
-        return sorted({bucket(k, 1, cap) for k in (1 << i for i in range(cap.bit_length() + 1))})
+        """Every N ``token_bucket`` gives, up to the cap."""
+        out, n = [], 1
+        while True:
+            b = token_bucket(n, self.token_cap)
+            out.append(b)
+            if b >= self.token_cap:
+                return out
+            n = b + 1
 
     def row_buckets(self) -> list[int]:
         seqs = self.max_num_seqs

@@ -158,6 +158,36 @@ class Engine:
             eos.add(tokenizer.eos_token_id)
         self.outputs = OutputProcessor(tokenizer, eos)
 
+    @classmethod
+    def from_config(
+        cls,
+        config: Any,
+        cfg: ModelConfig,
+        params: Params,
+        tokenizer: Tokenizer | None = None,
+        **kwargs: Any,
+    ) -> Engine:
+        """An engine configured by one ``research.engine.args.EngineConfig`` (``for_model``
+        already applied); ``kwargs``: ``plan``, ``executor``, ``clock``, ``proposer``."""
+        engine = cls(
+            cfg,
+            params,
+            tokenizer,
+            cache_config=config.cache,
+            scheduler_config=config.scheduler,
+            max_model_len=config.max_model_len,
+            dtype=config.jnp_dtype,
+            attention_backend=config.attention_backend,
+            kv_cache_dtype=config.kv_cache_dtype,
+            gemm_backend=config.gemm_backend,
+            seed=config.seed,
+            poison_freed_blocks=config.poison_freed_blocks,
+            speculative_config=config.speculative,
+            **kwargs,
+        )
+        engine.config = config
+        return engine
+
     # ------------------------------------------------------------------ requests
 
     def validate(self, prompt_token_ids: Seq[int], sp: SamplingParams) -> None:

@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from research.engine.compile_manager import bucket
+from research.engine.compile_manager import token_bucket
 from research.engine.executor import StepResult
 
 
@@ -94,8 +94,8 @@ def _with_verification(
     cap = executor.compiler.token_cap
     out = set(shapes)
     for n, r, m in shapes:
-        most = bucket(n + r * (s - 1), 1, cap)
+        most = token_bucket(n + r * (s - 1), cap)
         while n < most:
-            n = bucket(n + 1, 1, cap)
+            n = token_bucket(n + 1, cap)
             out.add((n, r, m))
     return out

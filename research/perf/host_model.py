@@ -4,7 +4,7 @@ can measure (``python -m experiments.run experiment=validate_host``).
 
 ``HostCostModel`` is ``CostModel`` priced over the work our ``ModelExecutor`` actually launches
 (``research.engine.executor``): one call per step over every scheduled token, its rows padded to
-a power of two (``bucket``), its tokens to a power of two. Attention depends on the engine's
+a power of two (``bucket``), its tokens to ``token_bucket`` (powers of two and 1.5x midpoints). Attention depends on the engine's
 ``attention_backend``: the XLA reference cuts each row's tokens into query tiles
 (``research.engine.attention.tile_size``), each reading its row's bucketed block table
 (``context_bucket``, at least 128 tokens; none when every row is a fresh prompt) and scoring
@@ -131,7 +131,8 @@ class HostCostModel(CostModel):
             return []
         r = _bucket(len(seqs), 1, self.max_num_seqs)
         cap = max(self.max_num_batched_tokens, self.max_num_seqs)
-        n = max(r, _bucket(sum(k for k, _ in seqs), 1, cap))
+        total = sum(k for k, _ in seqs)
+        n = max(r, _bucket(total, 1, cap) if total <= 16 else _context_bucket(total, 16, cap))
         if self.attention_backend == "native":
             # One packed causal pass: each row's own cached tokens, read in place, and its new
             # tokens up to each query's own.
