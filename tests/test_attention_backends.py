@@ -132,6 +132,8 @@ def _stored(x: np.ndarray, page_dtype, kv_cache_dtype) -> np.ndarray:
 CASES = {
     # (context, new) per row
     "decodes": [(9, 1), (3, 1), (17, 1), (0, 1)],
+    # as many tokens as rows (N = R): the native backend's decode-kernel route
+    "decode_sized": [(9, 1), (3, 2), (17, 1), (0, 1), (6, 1), (11, 1)],
     "mixed": [(6, 1), (5, 7), (0, 9), (13, 1), (2, 3)],
     "prefill_inside_block": [(5, 11), (7, 6)],
     "fresh_prompts": [(0, 5), (0, 12)],
@@ -169,7 +171,9 @@ def test_backend_matches_dense_oracle(backend, fmt, case, variant):
         pytest.skip("interpreted Pallas: page formats are checked on the mixed case (time)")
     rng = np.random.default_rng(zlib.crc32(f"{fmt}{case}{variant}".encode()))
     rows = CASES[case]
-    q, k_new, v_new, meta, num_blocks, ctx, logical = _step(rng, rows, n_pad=3, r_pad=8)
+    n_pad = 8 - sum(t for _, t in rows) if case == "decode_sized" else 3
+    q, k_new, v_new, meta, num_blocks, ctx, logical = _step(rng, rows, n_pad=n_pad, r_pad=8)
+    assert (q.shape[0] == 8) == (case == "decode_sized")
     pool = _pool(num_blocks, ctx, page_dtype, kv_cache_dtype)
     logical = [
         (_stored(kc, page_dtype, kv_cache_dtype), _stored(vc, page_dtype, kv_cache_dtype))
