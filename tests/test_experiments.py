@@ -94,6 +94,9 @@ def test_sweep_writes_results_plots_and_offline_wandb(tmp_path):
         assert 0.0 <= p["host_overhead_fraction"] < 1.0
         # every step shape compiled before the clock, even with mixed lengths
         assert p["step_traces"] == 0 and p["new_compilations"] == 0
+        # one forward pass per step, mixed steps included; the shapes it compiled, said
+        assert p["forward_passes_per_step"] == 1.0 and p["compiled_shapes"] >= 1
+        assert p["attention_backend_reason"]
         # roofline columns: the padded calls' work over the steps' time, against measured peaks
         assert p["peak_gflops"] > 0 and p["peak_gbps"] > 0
         assert p["achieved_gflops"] == pytest.approx(p["flops_fraction"] * p["peak_gflops"])
