@@ -1,12 +1,13 @@
 """This tree's engine step against another commit's, side by side in one window.
 
     python -m experiments.bench_step --baseline <git ref> [--model smollm2-135m]
+        [--dtype float32] [--max-model-len 512]
         [--points 64x32@1,64x32@4,64x32@16,64x32@64,128x128@1,128x128@16,128x128@64]
 
 Each point is ``<input>x<output>@<concurrency>``: a closed loop of 3 x concurrency random
 prompts (``ignore_eos``) after a warmup of one per slot, every step shape the point uses
 compiled before the clock starts (``predict_step_shapes`` + ``precompile``), as the main job
-runs them. The baseline is checked out into a temporary git worktree; each point runs in a
+runs them, with the main job's model settings by default (float32, max_model_len 512). The baseline is checked out into a temporary git worktree; each point runs in a
 fresh process per tree, baseline and this tree alternating point by point, so both see the
 same machine. Prints, per point and tree: output tok/s, mean step ms, forward passes per step
 (jitted forward calls: the baseline ran one per kind of row in a step, decodes / prefill
@@ -33,8 +34,8 @@ from research import LLM
 from research.bench import BenchRequest, run_benchmark
 from research.engine.shapes import predict_step_shapes
 
-model, input_len, output_len, conc = sys.argv[1], *map(int, sys.argv[2:5])
-llm = LLM(model)
+model, input_len, output_len, conc, dtype, max_len = sys.argv[1], *map(int, sys.argv[2:5]), *sys.argv[5:7]
+llm = LLM(model, dtype=dtype, max_model_len=int(max_len))
 engine = llm.engine
 executor = engine.executor
 vocab = llm.model_config.vocab_size
@@ -78,12 +79,22 @@ print("RESULT " + json.dumps({
 """
 
 
-def run_point(tree: Path, model: str, point: str) -> dict:
+def run_point(tree: Path, model: str, point: str, dtype: str, max_model_len: int) -> dict:
     shape, conc = point.split("@")
     input_len, output_len = shape.split("x")
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(tree))
     out = subprocess.run(
-        [sys.executable, "-c", DRIVER, model, input_len, output_len, conc],
+        [
+            sys.executable,
+            "-c",
+            DRIVER,
+            model,
+            input_len,
+            output_len,
+            conc,
+            dtype,
+            str(max_model_len),
+        ],
         cwd=tree,
         env=env,
         capture_output=True,
@@ -99,6 +110,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", required=True, help="git ref to compare against")
     parser.add_argument("--model", default="smollm2-135m")
+    # the main job's (configs/model/smollm2.yaml)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument(
         "--points", default="64x32@1,64x32@4,64x32@16,64x32@64,128x128@1,128x128@16,128x128@64"
     )
@@ -122,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
             for point in args.points.split(","):
                 pair = {}
                 for name, tree in (("baseline", base), ("this", ROOT)):
-                    r = run_point(tree, args.model, point)
+                    r = run_point(tree, args.model, point, args.dtype, args.max_model_len)
                     pair[name] = r
                     print(
                         f"{point:>12} {name:>9} {r['output_tok_s']:8.1f} {r['mean_step_ms']:8.1f} "
