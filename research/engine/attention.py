@@ -225,9 +225,8 @@ def native_attention(q, k_new, v_new, pool, slot, tables, meta, scale, window=No
     n, r = q.shape[0], tables.shape[0]
     if n == r and n <= NATIVE_DECODE_MAX:
         new = _xla_attention(q, k_new, v_new, pool, slot, tables, meta, scale, context=False)
-        row = jnp.minimum(meta.token_row, r - 1)
-        lengths = jnp.where(meta.token_row < r, meta.context_lens[row], 0)
-        ctx = native.paged_attention(q, pool.k[slot], pool.v[slot], tables[row], lengths, scale)
+        token_tables, lengths = token_contexts(tables, meta)
+        ctx = native.paged_attention(q, pool.k[slot], pool.v[slot], token_tables, lengths, scale)
         return merge_partials([new, ctx]).astype(q.dtype)
     count = meta.num_new
     out = native.packed_attention(
@@ -247,6 +246,14 @@ def native_attention(q, k_new, v_new, pool, slot, tables, meta, scale, window=No
 
 # Decode-sized steps up to this many tokens take the native decode kernel (``native_attention``).
 NATIVE_DECODE_MAX = 16
+
+
+def token_contexts(tables: jax.Array, meta: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+    """Each query token's view of its row's cached context, for the per-token decode kernels:
+    (its row's block table [N, M], the row's context length [N]; 0 for padded tokens)."""
+    r = tables.shape[0]
+    row = jnp.minimum(meta.token_row, r - 1)
+    return tables[row], jnp.where(meta.token_row < r, meta.context_lens[row], 0)
 
 
 def merge_partials(
@@ -284,9 +291,7 @@ def pallas_attention(
     new = _xla_attention(q, k_new, v_new, pool, slot, tables, meta, scale, window, context=False)
     parts = [new]
     if tables.shape[1] > 0:
-        r = tables.shape[0]
-        row = jnp.minimum(meta.token_row, r - 1)
-        lengths = jnp.where(meta.token_row < r, meta.context_lens[row], 0)
+        token_tables, lengths = token_contexts(tables, meta)
         target = target_for_backend(backend)
         k_pages, v_pages = pool.view(pool.k[slot]), pool.view(pool.v[slot])
         if k_pages.dtype == jnp.float8_e4m3fn:
@@ -297,7 +302,7 @@ def pallas_attention(
                 q,
                 k_pages,
                 v_pages,
-                tables[row],
+                token_tables,
                 lengths,
                 sm_scale=scale,
                 k_scales=pool.k_scales[slot] if pool.quantized else None,

@@ -171,6 +171,7 @@ class ModelExecutor:
             reads_whole_table=self.backend == "xla",
             lower=self._lower,
         )
+        self.step_calls = 0  # calls of the jitted step (one forward pass each)
         self._new_batch(1)
 
     def _new_batch(self, num_scored: int) -> None:
@@ -248,9 +249,10 @@ class ModelExecutor:
             )
         result = StepResult({}, {}, 0.0, 0.0)
         rows = self.rows(plan)
+        calls = self.step_calls
         if rows:
             result.device_time = self._run(rows, result)
-            result.forward_passes = 1
+        result.forward_passes = self.step_calls - calls  # each call is one forward
         result.duration = time.perf_counter() - t0
         return result
 
@@ -262,6 +264,7 @@ class ModelExecutor:
         the host step, the outputs and when they were dispatched."""
         shape, compiled, write = self.compiler.resolve(shape, exact=exact)
         step = host(shape)
+        self.step_calls += 1
         t0 = time.perf_counter()
         if compiled is not None:
             out = compiled(self.params, self.pool, step.inputs)

@@ -28,7 +28,6 @@ class ShapeRecorder:
         self.executor = executor
         self.shapes: set[tuple[int, int, int]] = set()
         self.num_compilations = 0
-        self.verify_tokens_per_row = executor.verify_tokens_per_row
 
     def execute(self, plan: Any) -> StepResult:
         if not plan.is_empty:

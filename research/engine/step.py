@@ -36,8 +36,8 @@ from research.engine.spec.rejection import rejection_sample
 from research.models.transformer import Params, compute_logits, forward
 
 STEP_TRACES = [0]
-# Forward passes the jitted step makes per call: one ``forward`` over all its tokens. Counted at
-# trace time from the number of ``forward`` calls the step's body makes (``forward_passes``).
+# ``forward`` calls in the step's traced body: one per trace, over all its tokens (tests check
+# it; the executor counts the step's calls per engine step).
 _FORWARDS_IN_TRACE = [0]
 
 
@@ -157,16 +157,6 @@ def model_step(
         ).items()
     }
     return out
-
-
-def forward_passes(params: Params, pool: KVPool, inputs: StepInputs, **static: Any) -> int:
-    """How many forward passes one call of ``model_step`` makes (traced abstractly, not run)."""
-    before = _FORWARDS_IN_TRACE[0]
-    jax.eval_shape(
-        functools.partial(model_step.__wrapped__, **static), params, pool, inputs
-    )  # the unjitted body: a fresh trace
-    STEP_TRACES[0] -= 1  # not a compilation
-    return _FORWARDS_IN_TRACE[0] - before
 
 
 write_kv_jit = jax.jit(write_kv, donate_argnums=0)
