@@ -1,4 +1,11 @@
-"""Per-GPU block configurations for the two kernels, keyed by device kind.
+"""Per-GPU block configurations for the kernels: a table of tuned entries, and rules as the fallback.
+
+``tuning_table.json`` (written by ``python -m pallas_kernels.tune``) holds one entry per target,
+kernel, dtype and shape: for the ragged attention kernel, keyed by query dtype, KV format, head
+dim and query heads per kv head, a configuration for decode-sized steps and one for mixed steps;
+every entry says where it came from (chosen offline from candidates that compile without spills
+for the target, or timed on a GPU). A shape the table does not hold gets the rules below, and
+``ragged_attention_config`` says so in its ``source``.
 
 Every configuration here is a set of power-of-two blocks that Triton accepts (dot operands >= 16
 in every dimension) and whose shared memory fits the target's per-block limit. That is checked
@@ -16,8 +23,12 @@ attention over 128-token pages, because a page is the kernel's smallest tile (bf
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import json
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
@@ -110,6 +121,47 @@ class GroupedExpertsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RaggedAttentionConfig:
+    """Blocks of ``pallas_kernels.ragged_attention`` for one kind of step."""
+
+    block_rows: int = 16  # tile rows: query tokens x padded query heads of a kv head
+    tile_tokens: int = 64  # context tokens per inner-loop tile (whole pages)
+    new_block: int = 16  # new tokens per tile of the second loop
+    kv_splits: int = 1  # context splits (decode-sized steps with few rows)
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def kwargs(self, *, page_size: int, group: int) -> dict[str, int]:
+        """Kernel keyword arguments for pages of ``page_size`` tokens and ``group`` query heads
+        per kv head (the tile holds at least the padded group)."""
+        from jax.experimental.pallas import next_power_of_2
+
+        return dict(
+            block_rows=max(self.block_rows, next_power_of_2(group)),
+            pages_per_compute_block=max(1, self.tile_tokens // page_size),
+            new_block=self.new_block,
+            kv_splits=self.kv_splits,
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+        )
+
+    def to_json(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+# The rules when the table has no entry: 16-row tiles (a decode's group fills one), 64-token
+# context tiles; float32 dots run as IEEE float32 on FMA units with operands in registers, so
+# float32 gets 16-token tiles and 8 warps. Decode-sized steps with at most
+# ``SPLIT_MAX_ROWS`` rows split the context 4 ways (few rows leave SMs idle otherwise).
+RAGGED_RULES = {
+    "bfloat16": RaggedAttentionConfig(),
+    "float32": RaggedAttentionConfig(tile_tokens=16, num_warps=8),
+}
+SPLIT_MAX_ROWS = 16
+RAGGED_SPLITS = 4
+
+
+@dataclasses.dataclass(frozen=True)
 class GpuTarget:
     """One GPU the kernels are configured for."""
 
@@ -181,19 +233,81 @@ INTERPRET = GpuTarget(
 )
 
 
+TABLE_PATH = Path(__file__).with_name("tuning_table.json")
+
+
+@functools.cache
+def tuning_table(path: Path = TABLE_PATH) -> dict[str, dict[str, Any]]:
+    """The tuned entries by key (``table_key``); empty when the file is absent."""
+    if not path.exists():
+        return {}
+    return {entry["key"]: entry for entry in json.loads(path.read_text())["entries"]}
+
+
+def table_key(target: str, kernel: str, **shape: Any) -> str:
+    return "|".join([target, kernel, *(f"{k}={shape[k]}" for k in sorted(shape))])
+
+
+def ragged_attention_config(
+    target: GpuTarget,
+    *,
+    q_dtype: Any,
+    kv: str,
+    head_dim: int,
+    group: int,
+    decode: bool,
+    num_rows: int | None = None,
+) -> tuple[RaggedAttentionConfig, str]:
+    """(configuration, where it came from) for a step of ``num_rows`` rows on ``target``.
+    ``decode``: a decode-sized step (one query token per row, N = R)."""
+    if target is INTERPRET:  # the interpreter runs grid points one by one: fewer, bigger
+        return RaggedAttentionConfig(block_rows=64, tile_tokens=64, new_block=32), "interpret"
+    dtype = "float32" if jnp.dtype(q_dtype) == jnp.float32 else "bfloat16"
+    step = "decode" if decode else "mixed"
+    key = table_key(target.name, "ragged_attention", q=dtype, kv=kv, d=head_dim, g=group, step=step)
+    entry = tuning_table().get(key)
+    if entry is not None:
+        return RaggedAttentionConfig(**entry["config"]), f"table: {entry['source']}"
+    config = RAGGED_RULES[dtype]
+    if decode and num_rows is not None and num_rows <= SPLIT_MAX_ROWS:
+        config = dataclasses.replace(config, kv_splits=RAGGED_SPLITS)
+    return config, f"rule: no table entry for {key}"
+
+
 def target_for_kind(device_kind: str) -> GpuTarget:
     """The configured target whose name appears in ``device_kind``, else ``FALLBACK``."""
     kind = device_kind.upper()
     for target in TARGETS.values():
         if any(name in kind for name in target.device_kinds):
             return target
+
     return FALLBACK
 
 
-@functools.cache
+_LOWERING_FOR: list[GpuTarget] = []
+
+
+@contextlib.contextmanager
+def lowering_for(target: GpuTarget) -> Iterator[GpuTarget]:
+    """Inside the block, ``"pallas"`` means ``target`` whether or not a GPU is here: for
+    lowering the engine's step for CUDA on a CPU machine (launch counts, offline checks)."""
+    _LOWERING_FOR.append(target)
+    try:
+        yield target
+    finally:
+        _LOWERING_FOR.pop()
+
+
 def target_for_backend(backend: str) -> GpuTarget:
     """Where the engine's kernels run: ``"pallas"`` -> the local GPU's target (by its device
-    kind), ``"pallas_interpret"`` -> ``INTERPRET``."""
+    kind; inside ``lowering_for``, that target), ``"pallas_interpret"`` -> ``INTERPRET``."""
+    if backend == "pallas" and _LOWERING_FOR:
+        return _LOWERING_FOR[-1]
+    return _local_target(backend)
+
+
+@functools.cache
+def _local_target(backend: str) -> GpuTarget:
     if backend == "pallas_interpret":
         return INTERPRET
     if backend != "pallas":
@@ -213,3 +327,9 @@ def target_for_backend(backend: str) -> GpuTarget:
             major, minor = cc.split(".")[:2]
             target = dataclasses.replace(target, compute_capability=int(major) * 10 + int(minor))
     return target
+
+
+target_for_backend.cache_clear = _local_target.cache_clear  # type: ignore[attr-defined]
+
+
+target_for_backend.cache_clear = _local_target.cache_clear  # type: ignore[attr-defined]

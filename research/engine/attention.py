@@ -23,9 +23,9 @@ Backends (``ATTENTION_BACKENDS``):
   gathers its row's pages and attends over them and the step's new tokens (masked to its row).
 - ``native``: the C++ CPU kernel (``research.native.packed_attention``): the whole step's rows
   in one causal pass (context pages + each row's new tokens), no tiles, no padding.
-- ``pallas`` / ``pallas_interpret``: the Pallas paged-attention kernel (compiled for the GPU /
-  interpreted on CPU) over each query token's cached context, merged by log-sum-exp with the
-  reference's attention over the new tokens.
+- ``pallas`` / ``pallas_interpret``: the ragged paged-attention kernel
+  (``pallas_kernels.ragged_attention``, compiled for the GPU / interpreted on CPU): the whole
+  step in one launch per layer, cached context from the pages, new tokens from the step's K/V.
 
 ``resolve_attention_backend("auto", ...)`` picks Pallas on a GPU, the native kernel on a CPU
 where it builds and serves the pool, else XLA, and says why (``AttentionChoice``).
@@ -281,46 +281,46 @@ def merge_partials(
 def pallas_attention(
     q, k_new, v_new, pool, slot, tables, meta, scale, window=None, sinks=None, interpret=False
 ):
-    """The Pallas paged-attention kernel over each query token's cached context (its row's
-    table, the row's context length; with a window, the token's own position), merged with the
-    reference's attention over the new tokens."""
-    from pallas_kernels.paged_attention import paged_attention
-    from pallas_kernels.tuning import target_for_backend
+    """The ragged paged-attention kernel (``pallas_kernels.ragged_attention``): the whole step,
+    decodes, prefill chunks and verification rows, in one launch per layer, reading the cached
+    context from the pages and the new tokens from the step's K/V. Blocks come from the tuning
+    table for this GPU (``pallas_kernels.tuning.ragged_attention_config``); decode-sized steps
+    (N = R) get the split-KV variant where the table or the rules give one."""
+    from pallas_kernels.ragged_attention import ragged_paged_attention
+    from pallas_kernels.tuning import ragged_attention_config, target_for_backend
 
-    backend = "pallas_interpret" if interpret else "pallas"
-    new = _xla_attention(q, k_new, v_new, pool, slot, tables, meta, scale, window, context=False)
-    parts = [new]
-    if tables.shape[1] > 0:
-        token_tables, lengths = token_contexts(tables, meta)
-        target = target_for_backend(backend)
-        k_pages, v_pages = pool.view(pool.k[slot]), pool.view(pool.v[slot])
-        if k_pages.dtype == jnp.float8_e4m3fn:
-            target.require_fp8("the KV cache")
-        e = q.shape[-1]
-        parts.append(
-            paged_attention(
-                q,
-                k_pages,
-                v_pages,
-                token_tables,
-                lengths,
-                sm_scale=scale,
-                k_scales=pool.k_scales[slot] if pool.quantized else None,
-                v_scales=pool.v_scales[slot] if pool.quantized else None,
-                window=window,
-                query_positions=None if window is None else jnp.maximum(meta.positions, 0),
-                return_lse=True,
-                **target.paged_attention.kwargs(
-                    page_size=k_pages.shape[2],
-                    head_dim=e,
-                    code_dim=k_pages.shape[3],
-                    q_dtype=q.dtype,
-                    page_dtype=k_pages.dtype,
-                ),
-                interpret=interpret,
-            )
-        )
-    return merge_partials(parts, sinks).astype(q.dtype)
+    target = target_for_backend("pallas_interpret" if interpret else "pallas")
+    k_pages, v_pages = pool.view(pool.k[slot]), pool.view(pool.v[slot])
+    if k_pages.dtype == jnp.float8_e4m3fn:
+        target.require_fp8("the KV cache")
+    n, h, e = q.shape
+    r = tables.shape[0]
+    config, _ = ragged_attention_config(
+        target,
+        q_dtype=q.dtype,
+        kv=pool.kv_dtype,
+        head_dim=e,
+        group=h // k_new.shape[1],
+        decode=n == r,
+        num_rows=r,
+    )
+    return ragged_paged_attention(
+        q,
+        k_new.astype(q.dtype),
+        v_new.astype(q.dtype),
+        k_pages,
+        v_pages,
+        tables,
+        meta.query_start_loc,
+        meta.context_lens,
+        sm_scale=scale,
+        k_scales=pool.k_scales[slot] if pool.quantized else None,
+        v_scales=pool.v_scales[slot] if pool.quantized else None,
+        window=window,
+        sinks=sinks,
+        interpret=interpret,
+        **config.kwargs(page_size=k_pages.shape[2], group=h // k_new.shape[1]),
+    )
 
 
 Attend = Callable[..., jax.Array]
