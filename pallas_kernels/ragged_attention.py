@@ -202,10 +202,7 @@ def _kernel(
             pltriton.dot(q, k, trans_b=True, precision=precision)
             for q, k in zip(qs, codes(k_ref), strict=True)
         )
-        if ks_ref is None:
-            s = s * sm_scale
-        else:
-            s = s * (scales(ks_ref) * sm_scale)[None, :]
+        s = s * (sm_scale if ks_ref is None else (scales(ks_ref) * sm_scale)[None, :])
         see = kvalid_t[None, :] & window_ok(key_t)
         v_scale = None if vs_ref is None else scales(vs_ref)
         return update(carry, s, see, codes(v_ref), v_scale)
@@ -486,8 +483,8 @@ def ragged_paged_attention(
     def kernel(*refs):
         ins, outs = refs[: first_out + len(zeros)], refs[first_out + len(zeros) :]
         aliased = list(ins[first_out:]) + [None] * (3 - len(zeros))
-        o, m, l = (*outs, None, None) if not split else outs
-        _kernel(*ins[:first_out], *aliased, o, m, l,
+        o, m, total = (*outs, None, None) if not split else outs
+        _kernel(*ins[:first_out], *aliased, o, m, total,
                 block_q=block_q, num_rows=rows, width=max(width, 1), pages=pages,
                 new_block=new_block, splits=kv_splits, sm_scale=sm_scale,
                 int4=stored == "int4", compute_dtype=compute_dtype,

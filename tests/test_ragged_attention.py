@@ -151,7 +151,7 @@ def test_grid_bound_covers_every_split_of_tokens():
 
 
 def test_refuses_inconsistent_inputs():
-    args, extra, _ = _build([(0, 1)] * R, "float32", 0, sinks=False)
+    args, _, _ = _build([(0, 1)] * R, "float32", 0, sinks=False)
     q, k_new, v_new, kp, vp, tables, qsl, ctx = args
     with pytest.raises(ValueError, match="query_start_loc must be"):
         ragged_paged_attention(q, k_new, v_new, kp, vp, tables, qsl[:-1], ctx, interpret=True)
