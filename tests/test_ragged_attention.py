@@ -159,3 +159,19 @@ def test_refuses_inconsistent_inputs():
         ragged_paged_attention(q, k_new[:, :1], v_new, kp, vp, tables, qsl, ctx, interpret=True)
     with pytest.raises(ValueError, match="block_rows"):
         ragged_paged_attention(*args, block_rows=8, interpret=True)
+
+
+@pytest.mark.parametrize("tokens,rows", [(64, 8), (8, 8)])  # a mixed step; a decode-sized one
+def test_engine_step_launches_one_attention_kernel_per_layer(tokens, rows):
+    """The engine's step lowered for CUDA with the Pallas backends (no GPU needed): one
+    attention launch per layer whatever the mix (the decode-sized step takes the split-KV
+    variant, still one launch), and the experts' three GEMMs per layer."""
+    from pallas_kernels.launches import step_launches
+
+    got = step_launches("tiny-qwen3-moe", "h200", tokens=tokens, rows=rows)
+    layers = got["layers"]
+    attention = {k: v for k, v in got["kernels"].items() if "attention" in k}
+    assert attention == {
+        "ragged_paged_attention_auto" + ("_split" if tokens == rows else ""): layers
+    }
+    assert got["kernels"]["grouped_experts_plain"] == 3 * layers
