@@ -13,6 +13,7 @@ import argparse
 import functools
 import math
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -142,6 +143,132 @@ def paged_attention_bench(iters: int = 20) -> list[dict]:
     return results
 
 
+# ---- ragged paged attention (the engine's kernel) ---------------------------------------------
+
+
+def measured_peak_bandwidth(device: jax.Device, nbytes: int = 2 << 30, iters: int = 10) -> float:
+    """Bytes/s of a device-to-device copy of ``nbytes`` (read + write counted): the bandwidth
+    this device reaches, against which the kernels' fractions are reported."""
+    x = jax.device_put(jnp.zeros((nbytes // 4,), jnp.float32), device)
+    copy = jax.jit(lambda a: a + 1.0)
+    seconds = _time(copy, x, iters=iters)
+    return 2 * nbytes / seconds
+
+
+def ragged_step(
+    key: jax.Array,
+    kv: str,
+    *,
+    decodes: int,
+    context: int,
+    chunks: int = 0,
+    chunk: int = 0,
+    heads: int = 32,
+    kv_heads: int = 8,
+    head_dim: int = 128,
+    page_size: int = 16,
+) -> tuple[tuple[jax.Array, ...], dict[str, jax.Array], int]:
+    """A step of ``decodes`` decode rows and ``chunks`` prefill chunks of ``chunk`` tokens, every
+    row with ``context`` cached tokens (bf16 q, K/V quantized to ``kv``, pages shuffled).
+    Returns the kernel's positional args, the scale kwargs and the bytes it must move: the
+    cached K/V (and scales) each row reads once per kv head, q, the new K/V and the output."""
+    rows = decodes + chunks
+    new = [1] * decodes + [chunk] * chunks
+    n = sum(new)
+    per_row = -(-(context) // page_size)
+    num_pages = rows * per_row
+    kq, kk, kv_key, kt, kn = jax.random.split(key, 5)
+    q = jax.random.normal(kq, (n, heads, head_dim), jnp.bfloat16)
+    k_new, v_new = (jax.random.normal(x, (n, kv_heads, head_dim), jnp.bfloat16) for x in (kn, kt))
+    shape = (kv_heads, num_pages, page_size, head_dim)
+    k, v = (jax.random.normal(x, shape, jnp.bfloat16) for x in (kk, kv_key))
+    tables = jax.random.permutation(kt, num_pages).reshape(rows, per_row).astype(jnp.int32)
+    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(new)]), jnp.int32)
+    ctx = jnp.full((rows,), context, jnp.int32)
+    scales = {}
+    if kv != "bf16":
+        k, scales["k_scales"] = _quantize_kv(k, kv)
+        v, scales["v_scales"] = _quantize_kv(v, kv)
+    row_bytes = k.shape[-1] * k.dtype.itemsize + (4 if scales else 0)
+    nbytes = 2 * rows * context * kv_heads * row_bytes + 2 * q.nbytes + 2 * k_new.nbytes
+    return (q, k_new, v_new, k, v, tables, qsl, ctx), scales, nbytes
+
+
+RAGGED_STEPS = {  # name -> ragged_step arguments
+    "decode 64 x 2k": dict(decodes=64, context=2048),
+    "mixed 60 x 2k + 4 x 256-token chunks": dict(decodes=60, context=2048, chunks=4, chunk=256),
+}
+
+
+def ragged_attention_bench(
+    iters: int = 20,
+    configs: dict[str, Any] | None = None,
+    steps: dict | None = None,
+    kv_formats: tuple[str, ...] = KV_FORMATS,
+) -> list[dict]:
+    """The ragged kernel on ``RAGGED_STEPS`` (Llama/Qwen attention: 32 heads, 8 kv heads, head
+    dim 128) with each KV format, under the table's configuration for this device (or each of
+    ``configs``: name -> kernel kwargs). One row per case with the achieved bandwidth as a
+    fraction of the measured peak (a device copy) and of the spec sheet."""
+    from pallas_kernels.ragged_attention import ragged_paged_attention
+    from pallas_kernels.tuning import ragged_attention_config
+
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        print("no GPU: the ragged attention benchmark times nothing on a CPU (the tests check it)")
+        return []
+    steps = steps or RAGGED_STEPS
+    measured = measured_peak_bandwidth(device)
+    spec = peak_bandwidth(device)
+    target = target_for_kind(device.device_kind)
+    print(
+        f"device {device.device_kind}: measured copy bandwidth {measured / 1e9:.0f} GB/s"
+        + (f" (spec {spec / 1e9:.0f} GB/s)" if spec else "")
+    )
+    print(f"{'step':<40} {'kv':>5} {'config':<28} {'us':>9} {'GB/s':>8} {'%meas':>6}")
+    key = jax.random.key(0)
+    results = []
+    for step, kwargs in steps.items():
+        decode = "chunks" not in kwargs
+        for kv in kv_formats:
+            args, scales, nbytes = ragged_step(key, kv, **kwargs)
+            rows = args[5].shape[0]
+            if configs is None:
+                config, _ = ragged_attention_config(
+                    target,
+                    q_dtype=jnp.bfloat16,
+                    kv="auto" if kv == "bf16" else kv,
+                    head_dim=128,
+                    group=4,
+                    decode=decode,
+                    num_rows=rows,
+                )
+                cases = {"table": config.kwargs(page_size=16, group=4)}
+            else:
+                cases = configs
+            for name, blocks in cases.items():
+                fn = functools.partial(ragged_paged_attention, **blocks)
+                seconds = _time(fn, *args, iters=iters, **scales)
+                frac = nbytes / seconds / measured
+                print(
+                    f"{step:<40} {kv:>5} {name:<28} {seconds * 1e6:9.1f} "
+                    f"{nbytes / seconds / 1e9:8.1f} {100 * frac:6.1f}"
+                )
+                results.append(
+                    dict(
+                        step=step,
+                        kv=kv,
+                        config=name,
+                        seconds=seconds,
+                        gb_per_s=nbytes / seconds / 1e9,
+                        measured_fraction=frac,
+                        peak_fraction=nbytes / seconds / spec if spec else None,
+                    )
+                )
+            del args, scales
+    return results
+
+
 # ---- grouped experts ------------------------------------------------------------------------
 
 
@@ -225,12 +352,17 @@ def grouped_experts_bench(iters: int = 20) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--kernel", choices=("all", "paged_attention", "grouped_experts"), default="all"
+        "--kernel",
+        choices=("all", "ragged_attention", "paged_attention", "grouped_experts"),
+        default="all",
     )
     parser.add_argument("--iters", type=int, default=20, help="timed calls per case (GPU)")
     args = parser.parse_args(argv)
+    if args.kernel in ("all", "ragged_attention"):
+        print("== ragged paged attention ==")
+        ragged_attention_bench(args.iters)
     if args.kernel in ("all", "paged_attention"):
-        print("== paged attention ==")
+        print("\n== paged attention (decode kernel) ==")
         paged_attention_bench(args.iters)
     if args.kernel in ("all", "grouped_experts"):
         print("\n== grouped experts ==")

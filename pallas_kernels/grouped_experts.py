@@ -227,10 +227,12 @@ def _kernel(
     block_n: int,
     block_k: int,
     has_bias: bool,
+    has_row_scale: bool,
 ):
-    """One (visit, N tile): out[rows, cols] = lhs[rows, :] @ dequant(W[group])[:, cols]
-    (+ bias[group, cols])."""
+    """One (visit, N tile): out[rows, cols] = (lhs[rows, :] @ dequant(W[group])[:, cols]
+    (+ bias[group, cols])) (* row_scale[rows])."""
     *w_refs, out_ref = refs
+    scale_ref = w_refs.pop() if has_row_scale else None
     bias_ref = w_refs.pop() if has_bias else None
     k = lhs_ref.shape[1]
     n = out_ref.shape[1]
@@ -272,6 +274,9 @@ def _kernel(
     if bias_ref is not None:  # the group's rows only: rows from hi on store zeros
         bias = pltriton.load(bias_ref.at[g, pl.ds(n0, block_n)], mask=col_ok, other=0)
         acc = acc + jnp.where((rows < hi)[:, None], bias.astype(jnp.float32)[None, :], 0.0)
+    if scale_ref is not None:  # the router weight of each routed row, in the epilogue
+        row_scale = pltriton.load(scale_ref.at[pl.ds(row0, block_m)], mask=rows < hi, other=0)
+        acc = acc * row_scale.astype(jnp.float32)[:, None]
     store_mask = ((rows >= lo) & (rows < write_hi))[:, None] & col_ok[None, :]
     pltriton.store(
         out_ref.at[pl.ds(row0, block_m), pl.ds(n0, block_n)],
@@ -348,6 +353,7 @@ def grouped_experts(
     rhs: jax.Array | QTensor,
     group_sizes: jax.Array,
     bias: jax.Array | None = None,
+    row_scale: jax.Array | None = None,
     *,
     block_m: int = 16,
     block_n: int = 128,
@@ -357,7 +363,10 @@ def grouped_experts(
     interpret: bool = False,
 ) -> jax.Array:
     """``jax.lax.ragged_dot(lhs, dequantize(rhs), group_sizes)`` (+ each row's group's bias)
-    with in-kernel dequantization.
+    (x ``row_scale``) with in-kernel dequantization.
+
+    ``row_scale`` float [M]: each row's factor (an MoE's router weight of the routed row),
+    applied to the float32 accumulator in the epilogue, after the bias, before the rounding.
 
     lhs [M, K] (rows sorted by group), rhs [G, K, N] plain array or QTensor of shape (G, K, N),
     group_sizes int [G] (non-negative; rows past M are ignored), bias float [G, N] or None ->
@@ -368,13 +377,20 @@ def grouped_experts(
     blocks = dict(block_m=block_m, block_n=block_n, block_k=block_k)
     _validate(lhs, rhs, group_sizes, blocks, bias)
     num_rows = lhs.shape[0]
+    if row_scale is not None and row_scale.shape != (num_rows,):
+        raise ValueError(f"row_scale must be [{num_rows}] (one per row); got {row_scale.shape}")
     n = rhs.shape[2]
     if num_rows == 0:
         return jnp.zeros((0, n), lhs.dtype)
     fmt, group_size, weights = _weight_operands(rhs)
     schedule = _tile_schedule(group_sizes, num_rows, block_m)
     kernel = functools.partial(
-        _kernel, fmt=fmt, group_size=group_size, has_bias=bias is not None, **blocks
+        _kernel,
+        fmt=fmt,
+        group_size=group_size,
+        has_bias=bias is not None,
+        has_row_scale=row_scale is not None,
+        **blocks,
     )
     return pl.pallas_call(
         kernel,
@@ -382,8 +398,16 @@ def grouped_experts(
         grid=(schedule.row_tile.shape[0], pl.cdiv(n, block_n)),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"grouped_experts_{fmt or 'plain'}" + ("_bias" if bias is not None else ""),
-    )(*schedule, lhs, *weights, *(() if bias is None else (bias,)))
+        name=f"grouped_experts_{fmt or 'plain'}"
+        + ("_bias" if bias is not None else "")
+        + ("_scaled" if row_scale is not None else ""),
+    )(
+        *schedule,
+        lhs,
+        *weights,
+        *(() if bias is None else (bias,)),
+        *(() if row_scale is None else (row_scale.astype(jnp.float32),)),
+    )
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -434,10 +458,11 @@ def grouped_experts_reference(
     rhs: jax.Array | QTensor,
     group_sizes: jax.Array,
     bias: jax.Array | None = None,
+    row_scale: jax.Array | None = None,
 ) -> jax.Array:
     """XLA oracle: ``ragged_dot`` on the dequantized weight cast to lhs.dtype (the kernel's MMA
-    operands), float32 accumulation, plus each grouped row's bias in float32, output in
-    lhs.dtype."""
+    operands), float32 accumulation, plus each grouped row's bias in float32, times each row's
+    ``row_scale`` in float32, output in lhs.dtype."""
     if bias is not None and bias.shape != (rhs.shape[0], rhs.shape[2]):
         raise ValueError(f"bias must be [{rhs.shape[0]}, {rhs.shape[2]}]; got {bias.shape}")
     w = dequantize(rhs) if isinstance(rhs, QTensor) else rhs
@@ -450,4 +475,6 @@ def grouped_experts_reference(
         group = jnp.searchsorted(ends, row, side="right")  # [M]; G past the grouped rows
         row_bias = bias.astype(jnp.float32)[jnp.minimum(group, bias.shape[0] - 1)]
         out = out + jnp.where((group < bias.shape[0])[:, None], row_bias, 0.0)
+    if row_scale is not None:
+        out = out * row_scale.astype(jnp.float32)[:, None]
     return out.astype(lhs.dtype)

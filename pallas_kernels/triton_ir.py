@@ -15,8 +15,9 @@ This module goes further, in three steps that need no GPU:
    dynamic shared memory the launch needs, checked against the target's per-block limit.
 
 JAX lowers without a GPU for compute capability 9.0 (pallas_call_registration.py's fallback);
-the module it emits does not depend on the capability for the ops these kernels use, so the same
-TTIR is compiled for every target.
+``capture_triton_modules(compute_capability)`` lowers for the named target instead (the lowering
+reads it: fp8 conversions are refused below sm_89), so each target's cubin comes from its own
+lowering.
 """
 
 from __future__ import annotations
@@ -68,14 +69,22 @@ class TritonModule:
 
 
 @contextlib.contextmanager
-def capture_triton_modules() -> Iterator[list[TritonModule]]:
-    """Collect every Triton module lowered inside the block (in lowering order)."""
+def capture_triton_modules(
+    compute_capability: int | None = None,
+) -> Iterator[list[TritonModule]]:
+    """Collect every Triton module lowered inside the block (in lowering order).
+
+    ``compute_capability`` (e.g. 121): lower for that target. Without a GPU, JAX lowers for
+    sm_90 (``pallas_call_registration``'s fallback); the lowering reads the capability (fp8
+    conversions are refused below sm_89, for one), so each target gets its own lowering."""
     captured: list[TritonModule] = []
     original = _triton_lowering.lower_jaxpr_to_triton_module
 
     @functools.wraps(original)
-    def capturing(*args, **kwargs):
-        result = original(*args, **kwargs)
+    def capturing(jaxpr, grid_mapping, platform, cc, *args, **kwargs):
+        if compute_capability is not None:
+            cc = compute_capability
+        result = original(jaxpr, grid_mapping, platform, cc, *args, **kwargs)
         operation = result.module.operation
         try:
             operation.verify()
@@ -107,15 +116,18 @@ def _is_array_like(value: Any) -> bool:
     )
 
 
-def lower_triton_modules(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[TritonModule]:
-    """Lower ``fn(*args, **kwargs)`` for CUDA (no GPU needed) and return its Triton modules.
+def lower_triton_modules(
+    fn: Callable[..., Any], *args: Any, compute_capability: int | None = None, **kwargs: Any
+) -> list[TritonModule]:
+    """Lower ``fn(*args, **kwargs)`` for CUDA (no GPU needed) and return its Triton modules,
+    lowered for ``compute_capability`` (default: JAX's, sm_90 without a GPU).
 
     Arguments may be arrays or ``jax.ShapeDtypeStruct``s (nothing is allocated); keyword
     arguments that are not arrays are static. ``fn`` must run its kernels with
     ``interpret=False``."""
     dynamic = {name: value for name, value in kwargs.items() if _is_array_like(value)}
     static = {name: value for name, value in kwargs.items() if name not in dynamic}
-    with capture_triton_modules() as modules:
+    with capture_triton_modules(compute_capability) as modules:
         traced = jax.jit(functools.partial(fn, **static)).trace(*args, **dynamic)
         traced.lower(lowering_platforms=("cuda",))
     if not modules:

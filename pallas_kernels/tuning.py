@@ -267,11 +267,15 @@ def ragged_attention_config(
     key = table_key(target.name, "ragged_attention", q=dtype, kv=kv, d=head_dim, g=group, step=step)
     entry = tuning_table().get(key)
     if entry is not None:
-        return RaggedAttentionConfig(**entry["config"]), f"table: {entry['source']}"
-    config = RAGGED_RULES[dtype]
-    if decode and num_rows is not None and num_rows <= SPLIT_MAX_ROWS:
-        config = dataclasses.replace(config, kv_splits=RAGGED_SPLITS)
-    return config, f"rule: no table entry for {key}"
+        config, source = RaggedAttentionConfig(**entry["config"]), f"table: {entry['source']}"
+    else:
+        config, source = RAGGED_RULES[dtype], f"rule: no table entry for {key}"
+        if decode:
+            config = dataclasses.replace(config, kv_splits=RAGGED_SPLITS)
+    # Splitting pays where few rows leave the GPU idle; with many rows, one split.
+    if not decode or num_rows is None or num_rows > SPLIT_MAX_ROWS:
+        config = dataclasses.replace(config, kv_splits=1)
+    return config, source
 
 
 def target_for_kind(device_kind: str) -> GpuTarget:

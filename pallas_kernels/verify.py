@@ -77,6 +77,7 @@ class KernelCase:
     kwargs: dict[str, Any]
     num_warps: int
     num_stages: int
+    no_spills: bool = False  # a shipped configuration: any spill is a failure
 
 
 def _sds(shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
@@ -185,16 +186,61 @@ def grouped_experts_cases(
     return cases
 
 
-def kernel_cases(target: GpuTarget, quick: bool = False) -> list[KernelCase]:
-    """The engine's configurations on ``target``; ``quick`` keeps the extreme page sizes and
-    two attention shapes (the tests' lowering set)."""
-    gpt_oss = {"gpt-oss-120b": ATTENTION_SHAPES["gpt-oss-120b"]}
-    if quick:
-        shapes = {m: ATTENTION_SHAPES[m] for m in ("smollm2-135m", "qwen3-30b-a3b")}
-        cases = paged_attention_cases(target, shapes, (8, 16, 128)) + grouped_experts_cases(target)
-        cases += paged_attention_cases(target, gpt_oss, (16,), window=GPT_OSS_WINDOW)
-    else:
-        cases = paged_attention_cases(target) + grouped_experts_cases(target)
+def ragged_attention_cases(target: GpuTarget, quick: bool = False) -> list[KernelCase]:
+    """The engine's attention kernel as the table (or the rules) configure it on ``target``:
+    every tuned key (query dtype, KV format, head dim, group) for decode-sized steps (with
+    their split-KV variant) and mixed steps; gpt-oss's sliding-window layers with sinks."""
+    from pallas_kernels.ragged_attention import ragged_paged_attention
+    from pallas_kernels.tune import PAGE_SIZE, attention_args, attention_keys
+    from pallas_kernels.tuning import ragged_attention_config
+
+    cases = []
+    for key in attention_keys():
+        if quick and (key["q"] == "float32" or key["kv"] == "fp8" or key["g"] == 8):
+            continue
+        config, source = ragged_attention_config(
+            target, q_dtype=key["q"], kv=key["kv"], head_dim=key["d"], group=key["g"],
+            decode=key["step"] == "decode", num_rows=1,
+        )  # fmt: skip
+        args, scales = attention_args(key["q"], key["kv"], key["d"], key["g"])
+        windowed = [False, True] if (key["d"], key["g"]) == (64, 8) else [False]
+        for window in windowed:
+            extra = {}
+            if window:
+                extra = dict(window=GPT_OSS_WINDOW, sinks=_sds((args[0].shape[1],), jnp.float32))
+            kwargs = config.kwargs(page_size=PAGE_SIZE, group=key["g"])
+            cases.append(
+                KernelCase(
+                    label=(
+                        f"ragged_attention {key['step']} q={key['q']} kv={key['kv']} "
+                        f"d={key['d']} g={key['g']} rows={kwargs['block_rows']} "
+                        f"tile={config.tile_tokens} splits={config.kv_splits} "
+                        f"w={config.num_warps}"
+                        + (" window sinks" if window else "")
+                        + (" [rule]" if source.startswith("rule") else "")
+                    ),
+                    fn=ragged_paged_attention,
+                    args=args,
+                    kwargs=dict(**scales, **extra, **kwargs),
+                    num_warps=config.num_warps,
+                    num_stages=config.num_stages,
+                    no_spills=True,
+                )
+            )
+    return cases
+
+
+def kernel_cases(
+    target: GpuTarget, quick: bool = False, decode_kernel: bool = False
+) -> list[KernelCase]:
+    """The engine's configurations on ``target``: the ragged attention kernel and the grouped
+    experts; ``decode_kernel`` adds the standalone decode kernel (``paged_attention``, which the
+    engine no longer runs); ``quick`` is the tests' smaller set."""
+    cases = ragged_attention_cases(target, quick) + grouped_experts_cases(target)
+    if decode_kernel:
+        gpt_oss = {"gpt-oss-120b": ATTENTION_SHAPES["gpt-oss-120b"]}
+        page_sizes = (8, 16, 128) if quick else PAGE_SIZES
+        cases += paged_attention_cases(target, page_sizes=page_sizes)
         cases += paged_attention_cases(target, gpt_oss, window=GPT_OSS_WINDOW)
     cases += grouped_experts_cases(target, GPT_OSS_EXPERT_SHAPES, ("mxfp4",), bias=True)
     return [c for c in cases if target.supports_fp8 or not uses_fp8(c)]
@@ -207,8 +253,11 @@ def uses_fp8(case: KernelCase) -> bool:
     return any(a.dtype == jnp.float8_e4m3fn for a in jax.tree_util.tree_leaves(case.args))
 
 
-def lower_case(case: KernelCase) -> TritonModule:
-    (module,) = lower_triton_modules(case.fn, *case.args, **case.kwargs)
+def lower_case(case: KernelCase, compute_capability: int | None = None) -> TritonModule:
+    """The case's Triton module, lowered for ``compute_capability`` (each target its own)."""
+    (module,) = lower_triton_modules(
+        case.fn, *case.args, compute_capability=compute_capability, **case.kwargs
+    )
     return module
 
 
@@ -233,7 +282,7 @@ class CaseResult:
 
 
 def check_case(case: KernelCase, target: GpuTarget, compile: bool) -> CaseResult:
-    module = lower_case(case)
+    module = lower_case(case, target.compute_capability)
     problems = [] if module.verified else [f"MLIR verification failed: {module.error}"]
     problems += dot_problems(module)
     compiled = None
@@ -247,6 +296,8 @@ def check_case(case: KernelCase, target: GpuTarget, compile: bool) -> CaseResult
             )
         except Exception as e:  # Triton's own pipeline refused the module: report, go on
             return CaseResult(case, module, None, (*problems, f"offline compile failed: {e}"))
+        if case.no_spills and compiled.spills:
+            problems.append(f"{compiled.spills} B spilled (a shipped configuration)")
         if compiled.shared_bytes > target.max_shared_bytes:
             problems.append(
                 f"{compiled.shared_bytes} B shared memory > {target.max_shared_bytes} B on "
@@ -261,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--targets", default=",".join(all_targets))
     parser.add_argument("--no-compile", action="store_true", help="verify the IR only")
     parser.add_argument("--quick", action="store_true", help="the tests' smaller set")
+    parser.add_argument(
+        "--decode-kernel", action="store_true", help="also the standalone decode kernel"
+    )
     args = parser.parse_args(argv)
     compile = not args.no_compile
     if compile and (reason := triton_compiler_available()):
@@ -277,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"(no fp8 operands: sm_{target.compute_capability} < sm_{FP8_MIN_CAPABILITY})")
         print(f"{'configuration':<78} {'IR':>3} {'regs':>4} {'smem KiB':>8} {'spill':>5}  notes")
         start = time.perf_counter()
-        for case in kernel_cases(target, quick=args.quick):
+        for case in kernel_cases(target, quick=args.quick, decode_kernel=args.decode_kernel):
             result = check_case(case, target, compile)
             failures += bool(result.problems)
             c = result.compiled

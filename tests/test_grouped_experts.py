@@ -194,6 +194,25 @@ def test_bias_matches_ragged_dot_plus_bias(kind: str, case: str):
     np.testing.assert_array_equal(np.asarray(out[total:], np.float32), 0.0)
 
 
+@pytest.mark.parametrize("case", ["mixed", "straddling", "trailing_tiles"])
+@pytest.mark.parametrize("kind", ["bfloat16", "awq", "nvfp4"])
+def test_router_weights_in_the_epilogue(kind: str, case: str):
+    """``row_scale`` (each routed row's router weight) multiplies the row's float32 result
+    before the rounding, after the bias: numpy's (lhs @ W + bias) * scale row by row."""
+    lhs, rhs = _lhs(RHS_KINDS[kind][1]), _rhs(kind)
+    sizes = GROUP_SIZES[case]
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    bias = _bias()
+    scale = jnp.asarray(np.random.default_rng(3).uniform(0.1, 1.0, lhs.shape[0]), jnp.float32)
+    out = kernel(lhs, rhs, group_sizes, bias, scale)
+    unscaled = np.asarray(_ragged_dot_plus_bias(lhs, rhs, group_sizes, bias), np.float32)
+    want = unscaled * np.asarray(scale)[:, None]
+    assert not np.allclose(unscaled[: sum(sizes)], want[: sum(sizes)], rtol=1e-2)  # it matters
+    _check(out, jnp.asarray(want).astype(out.dtype))
+    _check(out, grouped_experts_reference(lhs, rhs, group_sizes, bias, scale))
+    np.testing.assert_array_equal(np.asarray(out[sum(sizes) :], np.float32), 0.0)
+
+
 E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
 

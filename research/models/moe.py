@@ -50,9 +50,11 @@ def grouped_matmul(
     group_sizes: jax.Array,
     backend: str = "xla",
     bias: jax.Array | None = None,
+    row_scale: jax.Array | None = None,
 ) -> jax.Array:
     """lhs [R, Din] sorted by group, rhs [E, Din, Dout], group_sizes [E] (+ bias [E, Dout] per
-    group, gpt-oss) -> [R, Dout]; rows past the groups are rows of no expert here.
+    group, gpt-oss) (x ``row_scale`` [R], the router weights) -> [R, Dout]; rows past the groups
+    are rows of no expert here. The Pallas kernel applies ``row_scale`` in its epilogue.
 
     ``"xla"``: ``ragged_dot`` (on the dequantized experts when rhs is a QTensor); ``"pallas*"``:
     the Pallas grouped-experts kernel, which dequantizes 4/8-bit experts tile by tile and adds
@@ -61,12 +63,12 @@ def grouped_matmul(
         if isinstance(rhs, QTensor):
             rhs = dequantize(rhs).astype(lhs.dtype)
         y = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype)
-        if bias is None:
-            return y
-        row_group = jnp.repeat(
-            jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=lhs.shape[0]
-        )
-        return y + bias[row_group].astype(y.dtype)
+        if bias is not None:
+            row_group = jnp.repeat(
+                jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=lhs.shape[0]
+            )
+            y = y + bias[row_group].astype(y.dtype)
+        return y if row_scale is None else y * row_scale[:, None].astype(y.dtype)
     from pallas_kernels.grouped_experts import grouped_experts
     from pallas_kernels.tuning import target_for_backend
 
@@ -75,7 +77,9 @@ def grouped_matmul(
         target.require_fp8(f"a {getattr(rhs, 'fmt', 'float')} weight")
     blocks = target.grouped_experts.kwargs(rhs.shape[-2], lhs.dtype)
     interpret = backend == "pallas_interpret"
-    return grouped_experts(lhs, rhs, group_sizes, bias=bias, **blocks, interpret=interpret)
+    return grouped_experts(
+        lhs, rhs, group_sizes, bias=bias, row_scale=row_scale, **blocks, interpret=interpret
+    )
 
 
 def moe_mlp(
@@ -155,6 +159,7 @@ def _experts(
         h = jax.nn.silu(gate) * up
     else:
         h = clamped_swiglu(gate, up, swiglu_limit, swiglu_alpha)
-    ys = grouped_matmul(h, w_down, group_sizes, backend, b_down)  # [R, D]
-    row_weight = jnp.where(here, weights.reshape(-1), 0.0)[order].astype(ys.dtype)  # [R]
-    return jnp.zeros_like(x).at[token_of_row].add(ys * row_weight[:, None])
+    row_weight = jnp.where(here, weights.reshape(-1), 0.0)[order]  # [R] router weights
+    # [R, D], each routed row times its router weight (the kernel's epilogue on Pallas)
+    ys = grouped_matmul(h, w_down, group_sizes, backend, b_down, row_scale=row_weight)
+    return jnp.zeros_like(x).at[token_of_row].add(ys)
