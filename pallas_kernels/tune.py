@@ -38,9 +38,9 @@ from pallas_kernels.tuning import (
     TABLE_PATH,
     TARGETS,
     GpuTarget,
-    target_for_kind,
     RaggedAttentionConfig,
     table_key,
+    target_for_kind,
 )
 from research.quant.kv import kv_code_dtype, kv_code_shape
 

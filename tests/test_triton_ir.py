@@ -40,11 +40,11 @@ def test_every_engine_configuration_verifies(target: str):
     """Lowering for CUDA, then the MLIR verifier on the Triton module (not a text search)."""
     cases = verify.kernel_cases(GPU_TARGETS[target], quick=True)
     kernels = {case.fn.__name__ for case in cases}
-    assert kernels == {"paged_attention", "grouped_experts"}
+    assert kernels == {"ragged_paged_attention", "grouped_experts"}
     failures = []
     f32_dots = 0
     for case in cases:
-        module = verify.lower_case(case)
+        module = verify.lower_case(case, GPU_TARGETS[target].compute_capability)
         if not module.verified:  # an invalid module prints in generic form: no dots to read
             failures.append(f"{case.label}: {module.error[:300]}")
             continue
@@ -55,7 +55,7 @@ def test_every_engine_configuration_verifies(target: str):
     assert not failures, "\n".join(failures)
     assert f32_dots > 0  # the float32 cases were checked for IEEE dots, not skipped
     labels = [case.label for case in cases]
-    assert any("window=128 sinks" in label for label in labels)  # gpt-oss's sliding layers
+    assert any("window sinks" in label for label in labels)  # gpt-oss's sliding layers
     assert any("w=mxfp4" in label and label.endswith(" bias") for label in labels)
 
 
@@ -139,21 +139,22 @@ needs_triton = pytest.mark.skipif(
 
 
 def _compile_set(target) -> list[verify.KernelCase]:
-    """Per target: attention at Qwen3-30B-A3B's shape with every KV dtype and query dtype at the
-    default block size and the largest, every expert weight format at its gate/up GEMM, and
-    gpt-oss-120b's windowed attention (every KV dtype) and biased MXFP4 experts in bfloat16."""
-    attention = verify.paged_attention_cases(
-        target, {"qwen3-30b-a3b": verify.ATTENTION_SHAPES["qwen3-30b-a3b"]}, (16, 128)
-    )
+    """Per target: the ragged attention kernel as shipped at Qwen3-30B-A3B's shape (head dim
+    128, group 8) in bfloat16 with every KV format, decode-sized (split-KV) and mixed steps,
+    and gpt-oss's windowed layers with sinks; every expert weight format at its gate/up GEMM,
+    and gpt-oss-120b's biased MXFP4 experts."""
+    attention = [
+        c
+        for c in verify.ragged_attention_cases(target)
+        if "q=bfloat16" in c.label
+        and ("d=128" in c.label or ("window" in c.label and "kv=auto" in c.label))
+    ]
     experts = verify.grouped_experts_cases(
         target, {"qwen3-30b-a3b gate/up": verify.GEMM_SHAPES["qwen3-30b-a3b gate/up"]}
     )
-    gpt_oss = verify.paged_attention_cases(
-        target,
-        {"gpt-oss-120b": verify.ATTENTION_SHAPES["gpt-oss-120b"]},
-        (16,),
-        window=verify.GPT_OSS_WINDOW,
-    ) + verify.grouped_experts_cases(target, verify.GPT_OSS_EXPERT_SHAPES, ("mxfp4",), bias=True)
+    gpt_oss = verify.grouped_experts_cases(
+        target, verify.GPT_OSS_EXPERT_SHAPES, ("mxfp4",), bias=True
+    )
     return (
         [c for c in attention if "q=bfloat16" in c.label or "S=16" in c.label]
         + [c for c in experts if "x=bfloat16" in c.label or "w=float32" in c.label]
@@ -175,7 +176,7 @@ def test_offline_compile_to_cubin_within_shared_memory(target: str):
         assert 0 < compiled.registers <= 255 and compiled.cubin_bytes > 0
         assert 0 < compiled.shared_bytes <= gpu.max_shared_bytes
         results.append(compiled)
-    assert {r.name.split("_")[0] for r in results} == {"paged", "grouped"}
+    assert {r.name.split("_")[0] for r in results} == {"ragged", "grouped"}
 
 
 @needs_triton
@@ -185,11 +186,14 @@ def test_fp8_compiles_from_sm_89_and_is_refused_below():
     on sm_80 its own pipeline fails. The verifier reports that, the fallback target lists no
     fp8 configuration, and the engine refuses fp8 there with a ValueError that says why."""
     fp8 = [c for c in verify.kernel_cases(TARGETS["h200"], quick=True) if verify.uses_fp8(c)]
-    assert {c.fn.__name__ for c in fp8} == {"paged_attention", "grouped_experts"}
+    assert {c.fn.__name__ for c in fp8} == {"ragged_paged_attention", "grouped_experts"}
     assert not [c for c in verify.kernel_cases(FALLBACK, quick=True) if verify.uses_fp8(c)]
     assert not verify.check_case(fp8[0], TARGETS["h200"], compile=True).problems
     failed = verify.check_case(fp8[0], FALLBACK, compile=True)
-    assert any("offline compile failed" in p for p in failed.problems), failed.problems
+    # lowered for sm_80 (each target its own lowering), Pallas' own lowering refuses the cast
+    assert any("lowering failed" in p or "offline compile failed" in p for p in failed.problems), (
+        failed.problems
+    )
     with pytest.raises(ValueError, match="sm_89 or newer; this GPU is sm_80"):
         FALLBACK.require_fp8("the KV cache")
     TARGETS["gb10"].require_fp8("the KV cache")
