@@ -174,4 +174,31 @@ def test_engine_step_launches_one_attention_kernel_per_layer(tokens, rows):
     assert attention == {
         "ragged_paged_attention_auto" + ("_split" if tokens == rows else ""): layers
     }
-    assert got["kernels"]["grouped_experts_plain"] == 3 * layers
+    # gate and up, then down with the router weights in its epilogue
+    assert got["kernels"]["grouped_experts_plain"] == 2 * layers
+    assert got["kernels"]["grouped_experts_plain_scaled"] == layers
+
+
+def test_tuning_table_entries_and_the_stated_fallback():
+    """The engine's blocks come from the table where it has the shape, else from the rules,
+    and the source says which; the split-KV variant only for decode-sized steps of few rows."""
+    from pallas_kernels.tuning import (
+        TARGETS,
+        RaggedAttentionConfig,
+        ragged_attention_config,
+        table_key,
+        tuning_table,
+    )
+
+    h200 = TARGETS["h200"]
+    shape = dict(q_dtype=jnp.bfloat16, kv="int4", head_dim=128, group=8)
+    config, source = ragged_attention_config(h200, **shape, decode=False)
+    key = table_key("h200", "ragged_attention", q="bfloat16", kv="int4", d=128, g=8, step="mixed")
+    assert source == f"table: {tuning_table()[key]['source']}"
+    assert "sm_90" in source
+    assert config == RaggedAttentionConfig(**tuning_table()[key]["config"])
+    few, _ = ragged_attention_config(h200, **shape, decode=True, num_rows=4)
+    many, _ = ragged_attention_config(h200, **shape, decode=True, num_rows=64)
+    assert few.kv_splits > 1 and many.kv_splits == 1
+    _, source = ragged_attention_config(h200, **{**shape, "head_dim": 256}, decode=False)
+    assert source.startswith("rule: no table entry for h200|ragged_attention|d=256")
