@@ -17,10 +17,10 @@ import dataclasses
 import functools
 import re
 
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
-import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 from jax.experimental import pallas as pl

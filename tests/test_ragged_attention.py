@@ -21,6 +21,7 @@ from pallas_kernels.ragged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
+from research.config import CacheConfig, SchedulerConfig
 from research.quant.kv import quantize_kv
 
 INTERPRET = jax.default_backend() != "gpu"
@@ -202,3 +203,42 @@ def test_tuning_table_entries_and_the_stated_fallback():
     assert few.kv_splits > 1 and many.kv_splits == 1
     _, source = ragged_attention_config(h200, **{**shape, "head_dim": 256}, decode=False)
     assert source.startswith("rule: no table entry for h200|ragged_attention|d=256")
+
+
+def test_engine_greedy_tokens_with_pallas_equal_xla_on_mixed_steps(smollm2_llm):
+    """SmolLM2-135M (real weights) on the parity prompts, with an 8-token budget so prompts
+    arrive as prefill chunks beside other rows' decodes: the Pallas backends (the ragged kernel,
+    interpreted) give the XLA reference's greedy tokens, and the mixed steps ran as one
+    forward pass each."""
+    from research.engine.engine import Engine
+    from research.engine.request import SamplingParams
+    from tests.test_parity_smollm2 import PROMPTS
+
+    tok = smollm2_llm.tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * len(prompts)
+    tokens, mixed = {}, {}
+    for backend in ("xla", "pallas_interpret"):
+        engine = Engine(
+            smollm2_llm.model_config,
+            smollm2_llm.params,
+            tok,
+            cache_config=CacheConfig(num_kv_blocks=64, block_size=8),
+            scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8),
+            max_model_len=128,
+            attention_backend=backend,
+        )
+        execute = engine.executor.execute
+        steps = []
+
+        def recording(plan, execute=execute, steps=steps):
+            result = execute(plan)
+            steps.append((bool(plan.decodes), bool(plan.prefills), result.forward_passes))
+            return result
+
+        engine.executor.execute = recording
+        tokens[backend] = [o.token_ids for o in engine.generate(prompts, params)]
+        mixed[backend] = [s for s in steps if s[0] and s[1]]
+        assert all(passes == 1 for *_, passes in steps)
+    assert tokens["pallas_interpret"] == tokens["xla"]
+    assert len(mixed["pallas_interpret"]) >= 2  # decodes and prefill chunks shared steps
