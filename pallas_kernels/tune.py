@@ -53,6 +53,8 @@ PAGE_SIZE = 16  # the engine's default block size; tiles are whole pages
 # The lowering's array sizes (the IR does not depend on them, only on the blocks).
 TOKENS, ROWS, TABLE_WIDTH, POOL_PAGES = 256, 64, 128, 4096
 DECODE_SPLITS = 4
+WINDOWED_SHAPES = ((64, 8),)  # gpt-oss's (head dim, group): its sliding layers are checked too
+WINDOW = 128  # gpt-oss's sliding window
 
 
 def _sds(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
@@ -116,27 +118,34 @@ def compile_attention(
     target: GpuTarget, config: RaggedAttentionConfig, *, q: str, kv: str, head_dim: int, group: int
 ) -> list[Compiled]:
     """The configuration lowered for ``target`` and compiled offline: one result per variant
-    the engine runs with it (one split; and the split-KV variant when it splits)."""
+    the engine runs with it (one split and, when it splits, the split-KV variant; for gpt-oss's
+    shape, each also with a sliding window and sinks)."""
     args, scales = attention_args(q, kv, head_dim, group)
     out = []
+    variants = [{}]
+    if (head_dim, group) in WINDOWED_SHAPES:  # gpt-oss: sliding-window layers with sinks
+        sinks = _sds((args[0].shape[1],), jnp.float32)
+        variants.append(dict(window=WINDOW, sinks=sinks))
     for splits in sorted({1, config.kv_splits}):
-        kwargs = dict(config.kwargs(page_size=PAGE_SIZE, group=group), kv_splits=splits)
-        (module,) = lower_triton_modules(
-            ragged_paged_attention,
-            *args,
-            compute_capability=target.compute_capability,
-            **scales,
-            **kwargs,
-        )
-        if not module.verified:
-            raise ValueError(f"the Triton module does not verify: {module.error}")
-        c = compile_offline(
-            module,
-            target.compute_capability,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-        )
-        out.append(Compiled(c.registers, c.shared_bytes, c.spills, c.ptx_target))
+        for extra in variants:
+            kwargs = dict(config.kwargs(page_size=PAGE_SIZE, group=group), kv_splits=splits)
+            (module,) = lower_triton_modules(
+                ragged_paged_attention,
+                *args,
+                compute_capability=target.compute_capability,
+                **scales,
+                **extra,
+                **kwargs,
+            )
+            if not module.verified:
+                raise ValueError(f"the Triton module does not verify: {module.error}")
+            c = compile_offline(
+                module,
+                target.compute_capability,
+                num_warps=config.num_warps,
+                num_stages=config.num_stages,
+            )
+            out.append(Compiled(c.registers, c.shared_bytes, c.spills, c.ptx_target))
     return out
 
 

@@ -204,29 +204,32 @@ def ragged_attention_cases(target: GpuTarget, quick: bool = False) -> list[Kerne
         )  # fmt: skip
         args, scales = attention_args(key["q"], key["kv"], key["d"], key["g"])
         windowed = [False, True] if (key["d"], key["g"]) == (64, 8) else [False]
-        for window in windowed:
-            extra = {}
-            if window:
-                extra = dict(window=GPT_OSS_WINDOW, sinks=_sds((args[0].shape[1],), jnp.float32))
-            kwargs = config.kwargs(page_size=PAGE_SIZE, group=key["g"])
-            cases.append(
-                KernelCase(
-                    label=(
-                        f"ragged_attention {key['step']} q={key['q']} kv={key['kv']} "
-                        f"d={key['d']} g={key['g']} rows={kwargs['block_rows']} "
-                        f"tile={config.tile_tokens} splits={config.kv_splits} "
-                        f"w={config.num_warps}"
-                        + (" window sinks" if window else "")
-                        + (" [rule]" if source.startswith("rule") else "")
-                    ),
-                    fn=ragged_paged_attention,
-                    args=args,
-                    kwargs=dict(**scales, **extra, **kwargs),
-                    num_warps=config.num_warps,
-                    num_stages=config.num_stages,
-                    no_spills=True,
+        # decode-sized steps run the split-KV variant with few rows, one split with many
+        for splits in sorted({1, config.kv_splits}):
+            for window in windowed:
+                extra = {}
+                if window:
+                    sinks = _sds((args[0].shape[1],), jnp.float32)
+                    extra = dict(window=GPT_OSS_WINDOW, sinks=sinks)
+                kwargs = dict(config.kwargs(page_size=PAGE_SIZE, group=key["g"]), kv_splits=splits)
+                cases.append(
+                    KernelCase(
+                        label=(
+                            f"ragged_attention {key['step']} q={key['q']} kv={key['kv']} "
+                            f"d={key['d']} g={key['g']} rows={kwargs['block_rows']} "
+                            f"tile={config.tile_tokens} splits={splits} "
+                            f"w={config.num_warps}"
+                            + (" window sinks" if window else "")
+                            + (" [rule]" if source.startswith("rule") else "")
+                        ),
+                        fn=ragged_paged_attention,
+                        args=args,
+                        kwargs=dict(**scales, **extra, **kwargs),
+                        num_warps=config.num_warps,
+                        num_stages=config.num_stages,
+                        no_spills=True,
+                    )
                 )
-            )
     return cases
 
 
