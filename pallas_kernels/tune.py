@@ -244,13 +244,128 @@ def tune_timed(target: GpuTarget, device_kind: str, iters: int) -> list[dict[str
     return entries
 
 
-def write_table(entries: list[dict[str, Any]], targets: set[str]) -> None:
+# ---- grouped experts --------------------------------------------------------------------------
+
+# (experts, K, N, bias) of the engine's expert and linear GEMMs, the activation dtypes tuned and
+# the weight formats: Qwen3-30B-A3B's experts, gpt-oss-120b's MXFP4 experts (with biases),
+# SmolLM2-135M's and Llama-3.3-70B's MLPs (dense models: one group).
+EXPERT_SHAPES = {
+    "qwen3-30b-a3b gate/up": (128, 2048, 768, False),
+    "qwen3-30b-a3b down": (128, 768, 2048, False),
+    "gpt-oss-120b gate/up/down": (128, 2880, 2880, True),
+    "smollm2-135m gate/up": (1, 576, 1536, False),
+    "smollm2-135m down": (1, 1536, 576, False),
+    "llama-3.3-70b gate/up": (1, 8192, 28672, False),
+    "llama-3.3-70b down": (1, 28672, 8192, False),
+}
+EXPERT_FORMATS = {"gpt-oss-120b gate/up/down": ("mxfp4",)}
+EXPERT_DTYPES = {"smollm2-135m gate/up": Q_DTYPES, "smollm2-135m down": Q_DTYPES}
+M_ROWS = {"decode": 64, "mixed": 512, "prefill": 2048}  # rows lowered per bucket
+
+
+def experts_keys() -> Iterator[tuple[str, dict[str, Any], bool]]:
+    from research.quant import FORMATS
+
+    for name, (experts, k, n, bias) in EXPERT_SHAPES.items():
+        for fmt in EXPERT_FORMATS.get(name, ("plain", *FORMATS)):
+            for x in EXPERT_DTYPES.get(name, ("bfloat16",)):
+                for m in M_ROWS:
+                    yield name, dict(x=x, w=fmt, e=experts, k=k, n=n, m=m), bias
+
+
+def experts_candidates(key: dict[str, Any], stages: int) -> Iterator[dict[str, int]]:
+    """Most rows per tile first for the bucket, then the biggest weight tiles; float32 keeps
+    its weight tile within 4,096 elements (IEEE float32 dots hold operands in registers)."""
+    from pallas_kernels.grouped_experts import fitting_block_k
+
+    rows = {"decode": (16,), "mixed": (32, 16), "prefill": (64, 32, 16)}[key["m"]]
+    warps = (8,) if key["x"] == "float32" else (4, 8)
+    seen = set()
+    for block_m in rows:
+        for block_n in (128, 64, 32):
+            for block_k in (128, 64, 32):
+                bk = fitting_block_k(key["k"], block_k)
+                if key["x"] == "float32" and block_n * bk > 4096:
+                    continue
+                for num_warps in warps:
+                    for num_stages in sorted({stages, 2}, reverse=True):
+                        c = dict(block_m=block_m, block_n=block_n, block_k=bk,
+                                 num_warps=num_warps, num_stages=num_stages)  # fmt: skip
+                        if tuple(c.values()) not in seen:
+                            seen.add(tuple(c.values()))
+                            yield c
+
+
+def compile_experts(target: GpuTarget, key: dict[str, Any], bias: bool, config: dict[str, int]):
+    from pallas_kernels.grouped_experts import grouped_experts
+    from pallas_kernels.verify import _weight
+
+    x = jnp.dtype(key["x"])
+    fmt = None if key["w"] == "plain" else key["w"]
+    e, k, n = key["e"], key["k"], key["n"]
+    weight = _weight(fmt, k, n, x, experts=e)
+    extra = {"bias": _sds((e, n), jnp.float32)} if bias else {}
+    (module,) = lower_triton_modules(
+        grouped_experts,
+        _sds((M_ROWS[key["m"]], k), x),
+        weight,
+        _sds((e,), jnp.int32),
+        compute_capability=target.compute_capability,
+        **extra,
+        **config,
+    )
+    if not module.verified:
+        raise ValueError(f"the Triton module does not verify: {module.error}")
+    c = compile_offline(
+        module, target.compute_capability, num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+    )  # fmt: skip
+    return Compiled(c.registers, c.shared_bytes, c.spills, c.ptx_target)
+
+
+def tune_experts_offline(target: GpuTarget, log=print) -> list[dict[str, Any]]:
+    entries = []
+    stages = target.grouped_experts.num_stages
+    for name, key, bias in experts_keys():
+        if key["w"] in ("fp8", "nvfp4") and not target.supports_fp8:
+            continue
+        tried, chosen = 0, None
+        for config in experts_candidates(key, stages):
+            tried += 1
+            if clean(target, [compile_experts(target, key, bias, config)]):
+                chosen = config
+                break
+        table = table_key(target.name, "grouped_experts", **key)
+        if chosen is None:
+            log(f"{table}: no candidate compiles without spills ({tried} tried); rules apply")
+            continue
+        log(f"{table} ({name}): {chosen} ({tried} tried)")
+        entries.append(
+            dict(
+                key=table,
+                config=chosen,
+                source=(
+                    f"offline for sm_{target.compute_capability}: first of {tried} candidates "
+                    "(most rows for the M bucket, then the biggest weight tiles) with no spills "
+                    "and shared memory within the limit; not timed"
+                ),
+            )
+        )
+    return entries
+
+
+def write_table(
+    entries: list[dict[str, Any]], targets: set[str], kernels: set[str] | None = None
+) -> None:
+    """Replace the table's entries of ``targets`` (and ``kernels``, default all) by ``entries``."""
+
+    def replaced(key: str) -> bool:
+        target, kernel = key.split("|")[:2]
+        return target in targets and (kernels is None or kernel in kernels)
+
     kept = []
     if TABLE_PATH.exists():
-        kept = [
-            e for e in json.loads(TABLE_PATH.read_text())["entries"]
-            if e["key"].split("|")[0] not in targets
-        ]  # fmt: skip
+        kept = [e for e in json.loads(TABLE_PATH.read_text())["entries"] if not replaced(e["key"])]
     table = dict(
         note="written by `python -m pallas_kernels.tune`; see pallas_kernels/tuning.py",
         entries=sorted(kept + entries, key=lambda e: e["key"]),
@@ -263,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--targets", default=",".join(TARGETS))
     parser.add_argument("--time", action="store_true", help="time the candidates on this GPU")
     parser.add_argument("--iters", type=int, default=20, help="timed calls per candidate")
+    parser.add_argument(
+        "--kernel", choices=("all", "ragged_attention", "grouped_experts"), default="all"
+    )
     args = parser.parse_args(argv)
     if args.time:
         gpus = [d for d in jax.devices() if d.platform == "gpu"]
@@ -271,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         target = target_for_kind(gpus[0].device_kind)
         entries = tune_timed(target, gpus[0].device_kind, args.iters)
-        write_table(entries, {target.name})
+        write_table(entries, {target.name}, {"ragged_attention"})
         print(f"wrote {len(entries)} timed entries for {target.name} to {TABLE_PATH}")
         return 0
     all_targets = {**TARGETS, FALLBACK.name: FALLBACK}
@@ -279,9 +397,13 @@ def main(argv: list[str] | None = None) -> int:
     entries = []
     for name in names:
         start = time.perf_counter()
-        entries += tune_offline(all_targets[name])
+        if args.kernel in ("all", "ragged_attention"):
+            entries += tune_offline(all_targets[name])
+        if args.kernel in ("all", "grouped_experts"):
+            entries += tune_experts_offline(all_targets[name])
         print(f"({name}: {time.perf_counter() - start:.0f} s)")
-    write_table(entries, set(names))
+    kernels = None if args.kernel == "all" else {args.kernel}
+    write_table(entries, set(names), kernels)
     print(f"wrote {len(entries)} entries to {TABLE_PATH}")
     return 0
 

@@ -278,6 +278,48 @@ def ragged_attention_config(
     return config, source
 
 
+# Routed rows (tokens x top-k) of a grouped-experts call, bucketed: decode-sized steps, mixed
+# steps, long prefills.
+M_BUCKETS = {"decode": 64, "mixed": 512}
+
+
+def m_bucket(rows: int) -> str:
+    """The M bucket of a call with ``rows`` routed rows."""
+    for name, limit in M_BUCKETS.items():
+        if rows <= limit:
+            return name
+    return "prefill"
+
+
+def grouped_experts_config(
+    target: GpuTarget,
+    *,
+    x_dtype: Any,
+    fmt: str | None,
+    experts: int,
+    k: int,
+    n: int,
+    m: int,
+) -> tuple[dict[str, int], str]:
+    """(kernel keyword arguments, where they came from) for a grouped-experts call of ``m``
+    routed rows over ``experts`` weights [K, N] in ``fmt`` (None: plain) on ``target``."""
+    from pallas_kernels.grouped_experts import fitting_block_k
+
+    if target is INTERPRET:
+        return target.grouped_experts.kwargs(k, x_dtype), "interpret"
+    dtype = "float32" if jnp.dtype(x_dtype) == jnp.float32 else "bfloat16"
+    key = table_key(
+        target.name, "grouped_experts", x=dtype, w=fmt or "plain", e=experts, k=k, n=n,
+        m=m_bucket(m),
+    )  # fmt: skip
+    entry = tuning_table().get(key)
+    if entry is None:
+        return target.grouped_experts.kwargs(k, x_dtype), f"rule: no table entry for {key}"
+    config = dict(entry["config"])
+    config["block_k"] = fitting_block_k(k, config["block_k"])
+    return config, f"table: {entry['source']}"
+
+
 def target_for_kind(device_kind: str) -> GpuTarget:
     """The configured target whose name appears in ``device_kind``, else ``FALLBACK``."""
     kind = device_kind.upper()

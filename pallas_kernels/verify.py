@@ -142,9 +142,9 @@ def paged_attention_cases(
 
 
 @functools.cache
-def _weight(fmt: str | None, k: int, n: int, dtype) -> Any:
+def _weight(fmt: str | None, k: int, n: int, dtype, experts: int = EXPERTS) -> Any:
     """The weight's storage as ShapeDtypeStructs (``quantize`` traced, never run)."""
-    w = _sds((EXPERTS, k, n), jnp.float32)
+    w = _sds((experts, k, n), jnp.float32)
     if fmt is None:
         return _sds(w.shape, dtype)
     group_size = awq_group_size(k) if fmt == "awq" else None  # as the engine's quantizer picks
@@ -233,19 +233,60 @@ def ragged_attention_cases(target: GpuTarget, quick: bool = False) -> list[Kerne
     return cases
 
 
+def tuned_experts_cases(target: GpuTarget, quick: bool = False) -> list[KernelCase]:
+    """The grouped-experts kernel as the table (or the rules) configure it on ``target``, for
+    every tuned key (activation dtype, weight format, experts, K, N, M bucket)."""
+    from pallas_kernels.grouped_experts import grouped_experts
+    from pallas_kernels.tune import M_ROWS, experts_keys
+    from pallas_kernels.tuning import grouped_experts_config
+
+    cases = []
+    for name, key, bias in experts_keys():
+        if quick and (key["m"] != "decode" or name.startswith("llama")):
+            continue
+        x = jnp.dtype(key["x"])
+        fmt = None if key["w"] == "plain" else key["w"]
+        rows = M_ROWS[key["m"]]
+        blocks, source = grouped_experts_config(
+            target, x_dtype=x, fmt=fmt, experts=key["e"], k=key["k"], n=key["n"], m=rows
+        )
+        extra = {"bias": _sds((key["e"], key["n"]), jnp.float32)} if bias else {}
+        cases.append(
+            KernelCase(
+                label=(
+                    f"grouped_experts {name} w={key['w']} x={key['x']} m={key['m']} "
+                    f"bm={blocks['block_m']} bn={blocks['block_n']} bk={blocks['block_k']} "
+                    f"w={blocks['num_warps']} s={blocks['num_stages']}"
+                    + (" bias" if bias else "")
+                    + (" [rule]" if source.startswith("rule") else "")
+                ),
+                fn=grouped_experts,
+                args=(
+                    _sds((rows, key["k"]), x),
+                    _weight(fmt, key["k"], key["n"], x, experts=key["e"]),
+                    _sds((key["e"],), jnp.int32),
+                ),
+                kwargs=dict(**extra, **blocks),
+                num_warps=blocks["num_warps"],
+                num_stages=blocks["num_stages"],
+                no_spills=True,
+            )
+        )
+    return cases
+
+
 def kernel_cases(
     target: GpuTarget, quick: bool = False, decode_kernel: bool = False
 ) -> list[KernelCase]:
     """The engine's configurations on ``target``: the ragged attention kernel and the grouped
     experts; ``decode_kernel`` adds the standalone decode kernel (``paged_attention``, which the
     engine no longer runs); ``quick`` is the tests' smaller set."""
-    cases = ragged_attention_cases(target, quick) + grouped_experts_cases(target)
+    cases = ragged_attention_cases(target, quick) + tuned_experts_cases(target, quick)
     if decode_kernel:
         gpt_oss = {"gpt-oss-120b": ATTENTION_SHAPES["gpt-oss-120b"]}
         page_sizes = (8, 16, 128) if quick else PAGE_SIZES
         cases += paged_attention_cases(target, page_sizes=page_sizes)
         cases += paged_attention_cases(target, gpt_oss, window=GPT_OSS_WINDOW)
-    cases += grouped_experts_cases(target, GPT_OSS_EXPERT_SHAPES, ("mxfp4",), bias=True)
     return [c for c in cases if target.supports_fp8 or not uses_fp8(c)]
 
 

@@ -242,3 +242,19 @@ def test_engine_greedy_tokens_with_pallas_equal_xla_on_mixed_steps(smollm2_llm):
         assert all(passes == 1 for *_, passes in steps)
     assert tokens["pallas_interpret"] == tokens["xla"]
     assert len(mixed["pallas_interpret"]) >= 2  # decodes and prefill chunks shared steps
+
+
+def test_grouped_experts_blocks_from_the_table_by_m_bucket():
+    """Expert GEMMs take the table's blocks for their M bucket (decode-sized calls 16 rows per
+    tile, long prefills more), the block_k fitted to K; unknown shapes get the stated rules."""
+    from pallas_kernels.tuning import TARGETS, grouped_experts_config
+
+    gb10 = TARGETS["gb10"]
+    shape = dict(x_dtype=jnp.bfloat16, fmt="awq", experts=128, k=2048, n=768)
+    decode, source = grouped_experts_config(gb10, **shape, m=8 * 8)
+    assert source.startswith("table: offline for sm_121")
+    prefill, _ = grouped_experts_config(gb10, **shape, m=8192)
+    assert decode["block_m"] == 16 and prefill["block_m"] > decode["block_m"]
+    assert 2048 % decode["block_k"] == 0
+    _, source = grouped_experts_config(gb10, **{**shape, "n": 1000}, m=64)
+    assert source.startswith("rule: no table entry for gb10|grouped_experts")

@@ -144,12 +144,21 @@ def linear(x: jax.Array, w: jax.Array | QTensor, backend: str = "xla") -> jax.Ar
     if not backend.startswith("pallas"):  # "xla", or "native" (attention only)
         return matmul(x, dequantize(w).astype(x.dtype)).astype(x.dtype)
     from pallas_kernels.grouped_experts import quantized_matmul
-    from pallas_kernels.tuning import target_for_backend
+    from pallas_kernels.tuning import grouped_experts_config, target_for_backend
 
     target = target_for_backend(backend)
     if any(a.dtype == jnp.float8_e4m3fn for a in jax.tree_util.tree_leaves(w)):
         target.require_fp8(f"a {getattr(w, 'fmt', 'float')} weight")
-    blocks = target.grouped_experts.kwargs(w.shape[-2], x.dtype)
+    rows = math.prod(x.shape[:-1])
+    blocks, _ = grouped_experts_config(
+        target,
+        x_dtype=x.dtype,
+        fmt=getattr(w, "fmt", None),
+        experts=1,
+        k=w.shape[-2],
+        n=w.shape[-1],
+        m=rows,
+    )
     return quantized_matmul(x, w, **blocks, interpret=backend == "pallas_interpret")
 
 

@@ -70,12 +70,20 @@ def grouped_matmul(
             y = y + bias[row_group].astype(y.dtype)
         return y if row_scale is None else y * row_scale[:, None].astype(y.dtype)
     from pallas_kernels.grouped_experts import grouped_experts
-    from pallas_kernels.tuning import target_for_backend
+    from pallas_kernels.tuning import grouped_experts_config, target_for_backend
 
     target = target_for_backend(backend)
     if any(a.dtype == jnp.float8_e4m3fn for a in jax.tree_util.tree_leaves(rhs)):
         target.require_fp8(f"a {getattr(rhs, 'fmt', 'float')} weight")
-    blocks = target.grouped_experts.kwargs(rhs.shape[-2], lhs.dtype)
+    blocks, _ = grouped_experts_config(
+        target,
+        x_dtype=lhs.dtype,
+        fmt=getattr(rhs, "fmt", None),
+        experts=rhs.shape[0],
+        k=rhs.shape[-2],
+        n=rhs.shape[-1],
+        m=lhs.shape[0],
+    )
     interpret = backend == "pallas_interpret"
     return grouped_experts(
         lhs, rhs, group_sizes, bias=bias, row_scale=row_scale, **blocks, interpret=interpret
