@@ -26,6 +26,20 @@ from research.perf import (
     vllm_batch_defaults,
     weight_bytes,
 )
+from research.perf.kv_capacity import (
+    VLLM_TOKEN_REPORTS,
+    check_vllm_log,
+    format_kv_validation,
+    load_gb10_vllm_logs,
+    main,
+    vllm_available_kv_bytes,
+    vllm_estimated_max_model_len,
+    vllm_kv_bytes_needed,
+    vllm_kv_cache_tokens,
+    vllm_kv_groups,
+    vllm_page_size_bytes,
+    vllm_requested_bytes,
+)
 
 GiB = 2**30
 
@@ -295,3 +309,158 @@ def test_kv_capacity_errors():
         kv_capacity(max_num_batched_tokens=0)
     with pytest.raises(ValueError, match="unknown hardware"):
         kv_capacity(hardware="tpu")
+
+
+# ------------------------------------------------------- vLLM's arithmetic vs GB10 log lines
+
+GB10_LOGS = load_gb10_vllm_logs()
+
+
+def _record(record_id):
+    return next(r for r in GB10_LOGS if r["id"] == record_id)
+
+
+def test_gb10_log_records_are_complete():
+    assert len(GB10_LOGS) >= 3
+    assert len({(r["preset"], r["gpu_memory_utilization"]) for r in GB10_LOGS}) == len(GB10_LOGS)
+    for r in GB10_LOGS:
+        assert r["source"]["url"].startswith("https://github.com/")
+        assert r["verbatim"] and r["compare"] in r["logged"]
+        assert "available_kv_cache_gib" in r["logged"]
+        assert r["preset"] in PRESETS and r["token_report"] in VLLM_TOKEN_REPORTS
+
+
+@pytest.mark.parametrize("record", GB10_LOGS, ids=[r["id"] for r in GB10_LOGS])
+def test_vllm_arithmetic_reproduces_gb10_log_within_2_percent(record):
+    # Only the logged available memory comes from the log; blocks and tokens are recomputed
+    # from the model's shapes, the block size, the KV dtype and the tensor parallelism.
+    check = check_vllm_log(record)
+    assert check["logged"] == record["logged"][record["compare"]]
+    assert abs(check["reproduced_error"]) <= 0.02, check
+
+
+@pytest.mark.parametrize(
+    "record",
+    [r for r in GB10_LOGS if r["available_is_raw_log_line"]],
+    ids=[r["id"] for r in GB10_LOGS if r["available_is_raw_log_line"]],
+)
+def test_raw_log_lines_fall_inside_the_printed_rounding(record):
+    # vLLM prints the available memory to 0.01 GiB: the logged token count must lie between the
+    # counts of the two ends of that interval, not merely within 2%.
+    check = check_vllm_log(record)
+    lo, hi = check["reproduced_range"]
+    assert lo <= check["logged"] <= hi, check
+
+
+@pytest.mark.parametrize(
+    ("record_id", "perturbation"),
+    [
+        ("qwen3-0.6b-util0.60", {"kv_cache_dtype": "fp8"}),  # half the bytes: twice the tokens
+        ("qwen3-0.6b-util0.60", {"preset": "qwen3-30b-a3b"}),  # 48 layers x 4 KV heads
+        ("minimax-m2.7-awq-tp2-util0.85", {"tensor_parallel_size": 1}),  # all 8 KV heads
+        ("minimax-m2.7-awq-tp2-util0.80", {"preset": "llama-3.3-70b"}),  # other shapes
+    ],
+)
+def test_a_wrong_term_breaks_the_2_percent_band(record_id, perturbation):
+    record = {**_record(record_id), **perturbation}
+    assert abs(check_vllm_log(record)["reproduced_error"]) > 0.02
+
+
+def test_vllm_arithmetic_by_hand_qwen3_0_6b():
+    # Qwen3-0.6B: 28 layers of 8 KV heads x 128, bf16: a 16-token page is 2*16*8*128*2 bytes.
+    assert vllm_page_size_bytes("qwen3-0.6b") == 65_536
+    available = 69.4 * GiB  # "Current kv cache memory in use is 69.4 GiB"
+    blocks = int(available) // 65_536 // 28
+    assert blocks == 40_608
+    cache = vllm_kv_cache_tokens("qwen3-0.6b", available, max_model_len=40_960)
+    assert (cache.group_size, cache.num_groups, cache.num_blocks) == (28, 1, blocks)
+    assert cache.blocks_per_request == 40_960 // 16
+    assert cache.num_tokens == 649_728 == blocks * 16  # "GPU KV cache size: 649,728 tokens"
+    # "Desired GPU memory utilization is (0.6, 73.01 GiB)" of 121.69 GiB.
+    assert round(vllm_requested_bytes(121.69 * GiB, 0.6) / GiB, 2) == 73.01
+
+
+def test_vllm_arithmetic_by_hand_minimax_tp2():
+    # Per rank of two: 4 of the 8 KV heads, 62 layers, bf16 -> 126,976 bytes per token.
+    page = vllm_page_size_bytes("minimax-m2", tensor_parallel_size=2)
+    assert page == 2 * 16 * 4 * 128 * 2
+    needed = vllm_kv_bytes_needed("minimax-m2", 196_608, tensor_parallel_size=2)
+    assert needed == 62 * page * (196_608 // 16) and needed / GiB == 23.25  # logged 23.25 GiB
+    est = vllm_estimated_max_model_len(
+        "minimax-m2", 22.5 * GiB, max_model_len=196_608, tensor_parallel_size=2
+    )
+    assert est == int(22.5 * GiB) // (62 * page) * 16 == 190_256  # logged 190,272
+    # More KV heads per rank than the model has: vLLM replicates one head per rank.
+    assert vllm_page_size_bytes("minimax-m2", tensor_parallel_size=16) == 2 * 16 * 128 * 2
+
+
+def test_vllm_pool_blocks_match_kv_capacity():
+    # Same bytes, same blocks: vLLM's num_blocks equals our pool's for a dense model and for
+    # gpt-oss's hybrid layout (18 sliding + 18 full layers, one group of each kind).
+    for name, quant in (("qwen3-coder-30b-a3b", "awq"), ("gpt-oss-120b", "mxfp4")):
+        cap = kv_capacity(name, quant, "gb10", 0.85)
+        cache = vllm_kv_cache_tokens(name, cap.available_bytes)
+        assert cache.num_blocks == cap.num_blocks, name
+    assert vllm_kv_groups("gpt-oss-120b") == (18, {"full_attention": 1, "sliding_attention": 1})
+    assert vllm_kv_groups("qwen3-0.6b") == (28, {"full_attention": 1})
+
+
+def test_vllm_token_reports_differ_only_for_hybrid_models():
+    dense = [
+        vllm_kv_cache_tokens("qwen3-0.6b", 10 * GiB, token_report=t).num_tokens
+        for t in VLLM_TOKEN_REPORTS
+    ]
+    assert dense[0] == dense[1]
+    # gpt-oss, 131,072-token requests: a request holds 8,192 full-layer blocks and
+    # cdiv(127 + 8,192, 16) + 1 = 521 sliding-layer ones (v0.2x); up to v0.19 the line halves
+    # the blocks between the two groups.
+    cache = vllm_kv_cache_tokens("gpt-oss-120b", 36 * GiB, max_model_len=131_072)
+    assert cache.blocks_per_request == 8_192 + 521
+    assert cache.num_tokens == int(cache.num_blocks / 8_713 * 131_072)
+    old = vllm_kv_cache_tokens("gpt-oss-120b", 36 * GiB, token_report="blocks")
+    assert old.num_tokens == cache.num_blocks // 2 * 16 < cache.num_tokens
+
+
+def test_vllm_available_kv_bytes():
+    total = 121.69 * GiB
+    assert (
+        vllm_available_kv_bytes(total, 0.6, 3 * GiB) == vllm_requested_bytes(total, 0.6) - 3 * GiB
+    )
+    with_graphs = vllm_available_kv_bytes(total, 0.6, 3 * GiB, cudagraph_bytes=GiB)
+    assert with_graphs == vllm_available_kv_bytes(total, 0.6, 3 * GiB) - GiB
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        vllm_requested_bytes(total, 1.2)
+
+
+def test_vllm_arithmetic_errors():
+    with pytest.raises(ValueError, match="token_report"):
+        vllm_kv_cache_tokens("qwen3-0.6b", GiB, token_report="pages")
+    with pytest.raises(ValueError, match="available_bytes"):
+        vllm_kv_cache_tokens("qwen3-0.6b", 0)
+    with pytest.raises(ValueError, match="no 'int4' KV cache"):
+        vllm_page_size_bytes("qwen3-0.6b", kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="block_size"):
+        vllm_page_size_bytes("qwen3-0.6b", block_size=0)
+    assert vllm_estimated_max_model_len("qwen3-0.6b", 1000) == 0
+
+
+def test_new_presets_shapes():
+    assert kv_bytes_per_token("qwen3-0.6b") == 2 * 28 * 8 * 128 * 2
+    assert kv_bytes_per_token("minimax-m2") == 2 * 62 * 8 * 128 * 2
+    count = sum(
+        math.prod(s) for k, s in param_shapes(get_preset("minimax-m2")).items() if k != "layers"
+    ) + sum(
+        math.prod(s)
+        for layer in param_shapes(get_preset("minimax-m2"))["layers"]
+        for s in layer.values()
+    )
+    assert count / 1e9 == pytest.approx(230, rel=0.01)  # "230 billion total parameters"
+
+
+def test_format_kv_validation_and_cli(capsys):
+    text = format_kv_validation()
+    for r in GB10_LOGS:
+        assert r["id"] in text
+    assert main(["--validate"]) == 0
+    out = capsys.readouterr().out
+    assert "reproduced" in out and "predicted" in out and "649,728" in out
