@@ -37,6 +37,9 @@ LLAMA = "llama-3.3-70b"
 
 
 def test_fit_never_exceeds_measured_peaks_and_meets_the_fitted_points():
+    """IN-SAMPLE: the residuals on the very points the fit was made on (a check of the
+    optimizer and the bounds, not of the model; out-of-sample checks are the leave-one-out test
+    below and tests/test_gb10_validation.py)."""
     p = CALIBRATED["gb10"]
     assert fit_calibration(CALIBRATION_POINTS) == p  # computed from the points, not typed in
     for name in ("bandwidth_efficiency", "dense_gemm_efficiency", "expert_gemm_efficiency"):
@@ -62,11 +65,20 @@ def test_llama_decode_predicted_from_qwen_points_alone():
 
 
 def test_leave_one_out_predicts_each_held_out_point():
+    """Out of sample: fit on two of the three single-request points, predict the third. Three
+    points cannot pin five parameters, so the bounds are wide, and they are what the fit meets
+    today (worst: the 70B's TTFT from the Qwen points, +113%): a decode within 30%, a TTFT
+    within a factor 2.2. A model change that makes any held-out point worse fails here."""
     rows = leave_one_out()
     assert {r["held_out"] for r in rows} == {pt.name for pt in CALIBRATION_POINTS}
     for r in rows:
         assert r["point"] == r["held_out"]
         assert math.isfinite(r["predicted"]) and r["predicted"] > 0
+        ratio = r["predicted"] / r["target"]
+        if r["metric"] == "tpot_ms":
+            assert abs(ratio - 1) < 0.30, r
+        else:
+            assert 1 / 2.2 < ratio < 2.2, r
         # The held-out point was not fitted: its fit differs from the all-points fit.
         assert r["params"] != CALIBRATED["gb10"]
     assert "held out" in format_leave_one_out(rows)

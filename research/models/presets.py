@@ -114,6 +114,45 @@ PRESETS: dict[str, ModelConfig] = {
             **_gpt_oss_switches(36, window=128),
             eos_token_ids=(200002, 199999),
         ),
+        # openai/gpt-oss-20b config.json: 24 layers, 32 experts, top-4; gpt-oss-120b's widths.
+        ModelConfig(
+            name="gpt-oss-20b",
+            architecture="gpt_oss",
+            vocab_size=201088,
+            hidden_size=2880,
+            num_layers=24,
+            num_heads=64,
+            num_kv_heads=8,
+            head_dim=64,
+            num_experts=32,
+            num_experts_per_tok=4,
+            moe_intermediate_size=2880,
+            rope_theta=150000.0,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=131072,
+            rope_scaling=_GPT_OSS_YARN,
+            **_gpt_oss_switches(24, window=128),
+            eos_token_ids=(200002, 199999),
+        ),
+        # Qwen/Qwen2.5-Coder-7B config.json (a Llama-shaped dense model with q/k/v biases; the
+        # biases are priced as our attention_bias layout, o included: 3,584 extra elements).
+        ModelConfig(
+            name="qwen2.5-coder-7b",
+            architecture="llama",
+            vocab_size=152064,
+            hidden_size=3584,
+            num_layers=28,
+            num_heads=28,
+            num_kv_heads=4,
+            head_dim=128,
+            intermediate_size=18944,
+            attention_bias=True,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=32768,
+            bos_token_id=151643,
+            eos_token_ids=(151643,),
+        ),
         # Tiny random models for tests: same code paths, milliseconds per step.
         ModelConfig(
             name="tiny-llama",
@@ -196,6 +235,52 @@ PRESETS["qwen3-coder-30b-a3b"] = dataclasses.replace(
     name="qwen3-coder-30b-a3b",
     rope_theta=1e7,
     max_position_embeddings=262144,
+)
+
+
+# Qwen/Qwen3-0.6B config.json (https://huggingface.co/Qwen/Qwen3-0.6B/blob/main/config.json):
+# 28 layers, 16 query / 8 KV heads of 128, hidden 1024, SwiGLU 3072, tied embeddings.
+PRESETS["qwen3-0.6b"] = ModelConfig(
+    name="qwen3-0.6b",
+    architecture="qwen3",
+    vocab_size=151936,
+    hidden_size=1024,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=3072,
+    qk_norm=True,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    max_position_embeddings=40960,
+    bos_token_id=151643,
+    eos_token_ids=(151645, 151643),
+)
+
+# MiniMaxAI/MiniMax-M2 config.json (https://huggingface.co/MiniMaxAI/MiniMax-M2/blob/main/config.json;
+# the same defaults in ModelCloud/GPTQModel gptqmodel/hf_minimax_m2/configuration_minimax_m2.py):
+# 62 layers, 48 query / 8 KV heads of 128, hidden 3072, 256 routed experts of width 1536, top-8,
+# vocabulary 200,064, 196,608-token context. Shapes only: "qwen3_moe" is the nearest layout our
+# shape code has (GQA with q/k norms, top-k routed SwiGLU experts, no shared expert); MiniMax's
+# q/k norms span all heads and its router scores with a sigmoid, a few KB per layer apart.
+PRESETS["minimax-m2"] = ModelConfig(
+    name="minimax-m2",
+    architecture="qwen3_moe",
+    vocab_size=200064,
+    hidden_size=3072,
+    num_layers=62,
+    num_heads=48,
+    num_kv_heads=8,
+    head_dim=128,
+    num_experts=256,
+    num_experts_per_tok=8,
+    moe_intermediate_size=1536,
+    qk_norm=True,
+    rope_theta=5e6,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=196608,
 )
 
 

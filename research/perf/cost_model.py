@@ -49,6 +49,17 @@ machine without an FP4 path; FP8 without an FP8 path) run at ``dense_gemm_effici
 ``attention_efficiency`` of the bf16 sustained rate. Efficiencies are fractions <= 1: no
 operator is ever priced above a measured peak.
 
+llama.cpp's GGUF files are priced as stored (``GGUF_FORMATS``): ``q8_0`` keeps every matrix,
+embeddings and output included, as blocks of 32 int8 codes and one fp16 scale (34 bytes per 32
+weights); ``gguf_mxfp4`` (ggml-org's gpt-oss files) keeps the experts as MXFP4 blocks (16 bytes of
+E2M1 codes and one E8M0 scale per 32) and every other matrix as ``q8_0``; vectors (norms, biases,
+sinks) are float32. Their GEMMs run on int8 tensor cores (llama.cpp's MMQ quantizes activations
+to 8 bits), priced against the machine's int8 = fp8 rate without a dequantizing penalty.
+
+How an operator's memory and compute times add up is ``combine``: ``"max"`` (the default) takes
+the larger, a kernel that overlaps its weight stream with its math; ``"sum"`` adds them, a kernel
+that does not (what llama.cpp's batched decode on GB10 shows: see ``research.perf.validation``).
+
 The free parameters (``CostParams``) are fitted in ``research.perf.calibration`` on single-request
 points only; ``CostModel`` uses that fit by default. Pure Python: JAX is not imported.
 """
@@ -74,6 +85,7 @@ from research.perf.routing import (
     ROUTING_LAWS,
     distinct_experts,
     expected_distinct_experts,
+    load_sigma,
 )
 from research.quant.layout import EXPERT_KEYS, quantized_keys
 
@@ -94,6 +106,24 @@ PAGE_OVERHEAD_BYTES = 256
 # fitted (the calibration points are single-box).
 ALLREDUCE_LATENCY_S = 20e-6
 OPERATORS = ("dense_gemm", "expert_gemm", "attention", "lm_head", "elementwise")
+# llama.cpp weight files the cost model can price (module docstring); not engine formats.
+GGUF_FORMATS = ("q8_0", "gguf_mxfp4")
+WEIGHT_FORMATS = QUANTIZATION_CHOICES + GGUF_FORMATS
+GGUF_BLOCK = 32
+GGUF_BLOCK_BYTES = {"q8_0": 34, "mxfp4": 17}  # bytes per block of 32 weights
+COMBINE_MODES = ("max", "sum")
+
+
+def gguf_bytes(shape: tuple[int, ...], fmt: str, expert: bool = False) -> int:
+    """Stored bytes of a GGUF tensor of ``shape`` in file format ``fmt`` (``GGUF_FORMATS``):
+    vectors float32, matrices in blocks of 32 along the input dimension."""
+    if fmt not in GGUF_FORMATS:
+        raise ValueError(f"unknown GGUF format {fmt!r}; expected one of {GGUF_FORMATS}")
+    n = math.prod(shape)
+    if len(shape) < 2:
+        return 4 * n
+    block = "mxfp4" if fmt == "gguf_mxfp4" and expert else "q8_0"
+    return math.ceil(n / GGUF_BLOCK) * GGUF_BLOCK_BYTES[block]
 
 
 @dataclass(frozen=True)
@@ -205,6 +235,8 @@ def gemm_format(
     quantization: str | None, hw: Hardware, dtype: Any = "bfloat16"
 ) -> tuple[str, bool]:
     """(tensor dtype the GEMM runs in, whether weights are dequantized in the inner loop)."""
+    if quantization in GGUF_FORMATS:  # int8 MMA (MMQ); its rate is the fp8 one on sm_89+
+        return ("fp8", False) if "fp8" in hw.tensor_flops else ("bf16", True)
     if quantization == "fp8":
         return ("fp8", False) if "fp8" in hw.tensor_flops else ("bf16", True)
     if quantization in ("nvfp4", "mxfp4"):
@@ -242,9 +274,19 @@ class CostModel:
         allreduce_latency_s: float = ALLREDUCE_LATENCY_S,
         block_size: int = 16,
         expert_parallel: bool = False,
+        combine: str | dict[str, str] = "max",
     ) -> None:
-        if quantization not in QUANTIZATION_CHOICES:
-            raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}")
+        if quantization not in WEIGHT_FORMATS:
+            raise ValueError(f"quantization must be one of {WEIGHT_FORMATS}, got {quantization!r}")
+        modes = combine.values() if isinstance(combine, dict) else (combine,)
+        if set(modes) - set(COMBINE_MODES) or (
+            isinstance(combine, dict) and set(combine) - set(OPERATORS)
+        ):
+            raise ValueError(
+                f"combine must be one of {COMBINE_MODES} or a dict of operator -> mode "
+                f"(operators {OPERATORS}), got {combine!r}"
+            )
+        self.combine = combine
         if moe_routing not in ROUTING_LAWS:
             raise ValueError(f"moe_routing must be one of {ROUTING_LAWS}, got {moe_routing!r}")
         if block_size < 1:
@@ -282,6 +324,8 @@ class CostModel:
         keys = quantized_keys(cfg.architecture)
 
         def stored(key: str, shape: tuple[int, ...]) -> int:
+            if quantization in GGUF_FORMATS:
+                return gguf_bytes(shape, quantization, expert=cfg.is_moe and key in EXPERT_KEYS)
             if quantization is not None and key in keys:
                 return quantized_bytes(shape, quantization)
             return math.prod(shape) * elem
@@ -312,6 +356,11 @@ class CostModel:
         head_shape = shapes.get("lm_head", shapes["embed"])
         self.lm_head_bytes = math.prod(head_shape) * elem + math.prod(shapes["final_norm"]) * elem
         self.embed_row_bytes = cfg.hidden_size * elem
+        if quantization in GGUF_FORMATS:
+            self.lm_head_bytes = gguf_bytes(head_shape, quantization) + gguf_bytes(
+                shapes["final_norm"], quantization
+            )
+            self.embed_row_bytes = gguf_bytes((1, cfg.hidden_size), quantization)
         self.active_params_per_token = self.dense_layer_params + cfg.num_layers * (
             cfg.num_experts_per_tok * self.expert_params
         )
@@ -330,6 +379,7 @@ class CostModel:
             cfg.num_experts_per_tok,
             seqs,
             self.params.moe_concentration,
+            sigma=load_sigma(cfg.name),
         )
 
     def work(self, shape: StepShape) -> list[StepWork]:
@@ -433,7 +483,8 @@ class CostModel:
             mem_ways, flop_ways = splits[name]
             mem, comp = nbytes / band / mem_ways, flops / rate / flop_ways
             out[name] = {"bytes": nbytes, "flops": flops, "memory_s": mem, "compute_s": comp}
-            out[name]["s"] = max(mem, comp)
+            mode = self.combine if isinstance(self.combine, str) else self.combine.get(name, "max")
+            out[name]["s"] = max(mem, comp) if mode == "max" else mem + comp
         return out
 
     def breakdown(self, shape: StepShape) -> dict[str, Any]:
@@ -527,6 +578,7 @@ class CostModel:
             allreduce_latency_s=self.allreduce_latency_s,
             block_size=self.block_size,
             expert_parallel=self.split.expert_parallel,
+            combine=self.combine,
         )
 
 
@@ -544,14 +596,17 @@ def with_params(model: CostModel, **changes: Any) -> CostModel:
 
 
 __all__ = [
+    "GGUF_FORMATS",
     "MOE_ROUTINGS",
     "OPERATORS",
+    "WEIGHT_FORMATS",
     "CostModel",
     "CostParams",
     "StepShape",
     "StepWork",
     "expected_distinct_experts",
     "gemm_format",
+    "gguf_bytes",
     "page_efficiency",
     "step_shape_from_plan",
     "with_params",

@@ -25,6 +25,15 @@ distinct experts:
   ``w * (1 - (1 - k/w)**T)``. It caps every step at ``w`` experts whatever the batch, which
   independent requests under a load-balancing loss contradict; kept as the low end of the band.
 - ``"all"``: every expert every step (an upper bound on bytes).
+- ``"lognormal"``: experts are not equally popular. Expert e is picked by a token with
+  probability ``pi_e = k * w_e / E``, the popularity ``w`` lognormal with mean 1 and shape
+  ``LOAD_SIGMA``, tokens independent:  ``E * (1 - E_w[(1 - k w / E)**T])`` (exact for any
+  within-token correlation of the top-k, by linearity over experts). ``LOAD_SIGMA`` is not
+  fitted on any throughput: it is the shape that reproduces the distinct-expert counts measured
+  on gpt-oss-20b's router (``MEASURED_DISTINCT``: per-layer, per-expert selection frequencies of
+  generated tokens, from which E[distinct] at B independent tokens follows exactly); a model
+  whose own router has a published load statistic takes the shape that statistic gives
+  (``LOAD_SIGMAS``: Qwen3-30B-A3B's expert coverage).
 
 ``f`` (``CostParams.moe_concentration``) is fitted on a single prompt's TTFT in
 ``research.perf.calibration``; ``f = 1`` makes ``sequence_locality`` and ``hot_set`` uniform.
@@ -38,8 +47,100 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
-ROUTING_LAWS = ("sequence_locality", "uniform", "hot_set", "all")
+ROUTING_LAWS = ("sequence_locality", "uniform", "hot_set", "lognormal", "all")
 DEFAULT_ROUTING = "sequence_locality"
+
+# gpt-oss-20b (E=32, top-4): expected distinct experts per layer (mean of 24 layers) when B
+# independent tokens are routed, computed from the per-layer per-expert selection frequencies of
+# generated tokens (greedy decoding, HF transformers; GPQA-diamond, Polyglot-or-Not and
+# Tulu-3 persona-IF prompts) published in github.com/AmanPriyanshu/GPT-OSS-MoE-ExpertFingerprinting
+# (raw/*.json, think_expert_analytics.layer_L.<e>.count_frequency): sum_e 1 - (1 - pi_e)**B.
+# Its expert loads have a coefficient of variation of 0.90 on average over layers (0.50 to 1.31).
+MEASURED_DISTINCT = {
+    "model": "gpt-oss-20b",
+    "experts": 32,
+    "top_k": 4,
+    "distinct": {2: 7.08, 4: 11.49, 8: 16.66, 16: 21.47, 32: 25.36, 64: 28.27, 128: 30.20},
+}
+_QUADRATURE_POINTS = 48
+
+
+def lognormal_distinct(num_experts: float, top_k: int, num_tokens: int, sigma: float) -> float:
+    """E[distinct experts] of ``num_tokens`` independent tokens when expert popularity is
+    lognormal (mean 1, shape ``sigma``): ``E * (1 - E_w[(1 - min(1, c k w / E))**T])``, the
+    expectation over w by Gauss-Hermite quadrature, ``c >= 1`` keeping k picks per token where
+    the cap bites."""
+    import numpy as np
+
+    if num_tokens <= 0:
+        return 0.0
+    if sigma <= 0:
+        return expected_distinct_experts(num_experts, top_k, num_tokens)
+    z, weights = np.polynomial.hermite_e.hermegauss(_QUADRATURE_POINTS)
+    weights = weights / weights.sum()
+    w = np.exp(sigma * z - sigma**2 / 2)
+    # A token picks exactly k experts: probabilities are capped at 1 and the rest rescaled so
+    # that they still sum to k (bisection on the scale).
+    lo, hi = 1.0, 1.0 + num_experts / top_k
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if np.sum(weights * np.minimum(1.0, mid * top_k * w / num_experts)) < top_k / num_experts:
+            lo = mid
+        else:
+            hi = mid
+    pick = np.minimum(1.0, hi * top_k * w / num_experts)
+    miss = float(np.sum(weights * (1.0 - pick) ** num_tokens))
+    return float(num_experts * (1.0 - miss))
+
+
+def fit_load_sigma(measured: dict = MEASURED_DISTINCT) -> float:
+    """The lognormal shape whose distinct-expert counts best match ``measured`` (least squares
+    on the log of each count)."""
+    from scipy.optimize import minimize_scalar
+
+    e, k = measured["experts"], measured["top_k"]
+
+    def loss(sigma: float) -> float:
+        return sum(
+            math.log(lognormal_distinct(e, k, b, sigma) / d) ** 2
+            for b, d in measured["distinct"].items()
+        )
+
+    return float(minimize_scalar(loss, bounds=(0.0, 3.0), method="bounded").x)
+
+
+# fit_load_sigma() of the measurement above (tests/test_gb10_validation.py recomputes it).
+LOAD_SIGMA = 1.0
+
+# Qwen3-30B-A3B (E=128, top-8): llama-imatrix expert counts of its ffn_down_exps over ~1k tokens
+# of mixed text: 65 of 128 experts carry 90% of the routing (the 1 - normalised entropy 0.111
+# of the same counts gives a shape of ~1.05; the coverage is the statistic used). Source:
+# mcp-tool-shop-org.github.io/gpu-container/handbook/derisk/ (measured on the real router,
+# prompt tokens, one small sample: a weak measurement).
+MEASURED_COVERAGE = {"model": "qwen3-30b-a3b", "experts": 128, "mass": 0.9, "covering": 65}
+
+
+def coverage_sigma(measured: dict = MEASURED_COVERAGE) -> float:
+    """The lognormal shape under which the most popular ``covering`` of ``experts`` carry
+    ``mass`` of the routing: the top fraction q of a mean-1 lognormal(sigma) carries
+    ``1 - Phi(Phi^-1(1 - q) - sigma)``."""
+    from scipy.optimize import brentq
+    from scipy.stats import norm
+
+    q = measured["covering"] / measured["experts"]
+    return float(brentq(lambda s: 1 - norm.cdf(norm.ppf(1 - q) - s) - measured["mass"], 1e-3, 5))
+
+
+# Per model family: the shape its own router's measurement gives (coverage_sigma() = 1.26 for
+# Qwen3-30B-A3B; the Coder variant shares its shapes and is assumed to share its router's
+# skew); other models take gpt-oss-20b's LOAD_SIGMA (gpt-oss-120b: no measurement found).
+LOAD_SIGMAS = {"qwen3-30b-a3b": 1.26, "qwen3-coder-30b-a3b": 1.26, "gpt-oss-20b": LOAD_SIGMA}
+
+
+def load_sigma(model: str) -> float:
+    """The lognormal popularity shape of ``model``'s router (``LOAD_SIGMAS``, else
+    ``LOAD_SIGMA``)."""
+    return LOAD_SIGMAS.get(model, LOAD_SIGMA)
 
 
 def expected_distinct_experts(num_experts: float, top_k: int, num_tokens: int) -> float:
@@ -67,6 +168,7 @@ def distinct_experts(
     top_k: int,
     tokens_per_seq: Sequence[int],
     concentration: float = 1.0,
+    sigma: float = LOAD_SIGMA,
 ) -> float:
     """Expected distinct experts per layer for a step whose sequences bring ``tokens_per_seq``
     new tokens each, under ``law`` (module docstring)."""
@@ -81,6 +183,8 @@ def distinct_experts(
         return float(num_experts)
     if law == "uniform":
         return expected_distinct_experts(num_experts, top_k, total)
+    if law == "lognormal":
+        return lognormal_distinct(num_experts, top_k, total, sigma)
     w = working_set(num_experts, top_k, concentration)
     if law == "hot_set":
         return expected_distinct_experts(w, top_k, total)
@@ -96,8 +200,16 @@ def distinct_experts(
 
 __all__ = [
     "DEFAULT_ROUTING",
+    "LOAD_SIGMA",
+    "LOAD_SIGMAS",
+    "MEASURED_COVERAGE",
+    "MEASURED_DISTINCT",
     "ROUTING_LAWS",
+    "coverage_sigma",
     "distinct_experts",
     "expected_distinct_experts",
+    "fit_load_sigma",
+    "load_sigma",
+    "lognormal_distinct",
     "working_set",
 ]

@@ -1,0 +1,383 @@
+"""The simulator against public GB10 measurements it was never fitted on.
+
+``data/gb10_public.json`` holds public single-box DGX Spark (GB10) measurements, each number with
+its source (llama.cpp's ``benches/dgx-spark.md`` in three revisions, forum and blog records);
+``load_points`` turns the ones an engine profile can replay into ``Point``s.
+
+An engine profile (``PROFILES``) says how a tool drives the engine and which cost-model options
+describe its kernels:
+
+- ``llama.cpp``: ``llama-batched-bench`` is a static batch. Its prefill submits the B prompts of
+  ``pp`` random tokens as one batch, cut into ubatches of ``n_ubatch`` = 2,048 tokens, each one
+  forward over every sequence piece it holds; its decode runs ``tg`` steps of B one-token rows at
+  contexts ``pp .. pp + tg - 1``. ``llama-bench`` runs ``pp2048 @ dN`` as one 2,048-token ubatch
+  after N cached tokens and ``tg32 @ dN`` as 32 single-token steps. Weights are priced as the GGUF
+  files store them (``cost_model.GGUF_FORMATS``), KV as f16, and memory and compute times of an
+  operator ADD (``combine="sum"``): llama.cpp's batched decode on GB10 does not hide its GEMM math
+  under the weight stream (the dense 7B's decode step grows from 34 ms at B=1 to 54 ms at B=32
+  while the bytes it reads grow by 3%).
+
+Per model and source revision, two efficiencies are fitted on batch 1 at the shortest context:
+``bandwidth_efficiency`` on the decode rate of ``llama-batched-bench`` B=1 pp=512 and
+``native_gemm_efficiency`` on ``llama-bench`` pp2048 at depth 0. (The batched bench's own B=1
+pp=512 prefill is not used: on every MoE one 512-token prompt prefills at under 60% of the rate
+of two, 16 to 64 routed rows per expert being too few for the GEMM tiles, a mechanism the cost
+model does not have; it stays in the report as a known miss.) Flash attention's efficiency is
+fitted once per revision on the dense model's deepest prefill (pp2048 at depth 32,768, where
+attention is most of the time) and shared by every model of that revision. Every other point is
+predicted. MoE decode reads the distinct experts of the ``lognormal`` routing law
+(``research.perf.routing``), whose shape comes from measured router statistics, not from these
+points.
+
+``python -m research.perf.validation`` prints the report (docs/experiments/gb10_validation.md).
+Pure Python (scipy for the fit); JAX is not imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from research.perf.cost_model import CostModel, CostParams, StepShape
+
+DATA = Path(__file__).parent / "data" / "gb10_public.json"
+
+# The published GGUF files: our preset with their shapes, and the file format.
+GGUF_MODELS: dict[str, tuple[str, str]] = {
+    "ggml-org/Qwen3-Coder-30B-A3B-Instruct-Q8_0-GGUF": ("qwen3-coder-30b-a3b", "q8_0"),
+    "ggml-org/Qwen2.5-Coder-7B-Q8_0-GGUF": ("qwen2.5-coder-7b", "q8_0"),
+    "ggml-org/gpt-oss-20b-GGUF": ("gpt-oss-20b", "gguf_mxfp4"),
+    "ggml-org/gpt-oss-120b-GGUF": ("gpt-oss-120b", "gguf_mxfp4"),
+}
+LLAMA_CPP_SOURCES = ("llamacpp_dgx_spark_v1", "llamacpp_dgx_spark_v2", "llamacpp_dgx_spark_v3")
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """How a benchmark tool drives its engine, as cost-model options."""
+
+    name: str
+    batching: str  # "static": every sequence starts together and runs to the end
+    ubatch: int  # tokens per prefill forward
+    combine: str | dict[str, str]  # cost_model.COMBINE_MODES, or per operator
+    kv_cache_dtype: str
+    dtype: str
+    block_size: int  # KV granule the attention kernel reads
+    fitted: tuple[str, ...]  # CostParams fields fitted per model
+    fixed: dict[str, float] = field(default_factory=dict)  # CostParams fields assumed
+    routing: str = "lognormal"  # research.perf.routing law of its MoE decodes
+    # CostParams fields fitted once per source on one model's point, shared by every model of
+    # that source: field -> (model, point label).
+    shared: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+PROFILES = {
+    "llama.cpp": EngineProfile(
+        name="llama.cpp",
+        batching="static",
+        ubatch=2048,
+        combine={"dense_gemm": "sum", "attention": "sum", "lm_head": "sum", "expert_gemm": "max"},
+        kv_cache_dtype="auto",  # f16 K/V: 2 bytes, as bf16
+        dtype="float16",
+        block_size=256,  # flash attention reads the contiguous cache in 256-key tiles
+        fitted=("bandwidth_efficiency", "native_gemm_efficiency"),
+        # CUDA graphs replay a decode step; ~0.1 ms of host time per step is an assumption.
+        fixed={"per_step_overhead_s": 1e-4},
+        # Flash attention's rate: the deepest prefill of the dense model, where attention is
+        # two thirds of the time; every other model of the revision takes that rate.
+        shared={
+            "attention_efficiency": ("ggml-org/Qwen2.5-Coder-7B-Q8_0-GGUF", "bench pp2048 @ d32768")
+        },
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Point:
+    """One published rate the simulator can replay.
+
+    metric: ``decode_tok_s`` (aggregate generated tokens per second over the batch) or
+    ``prefill_tok_s`` (prompt tokens per second); ``tool`` is ``llama-batched-bench`` (``batch``
+    sequences of ``pp`` prompt and ``tg`` generated tokens) or ``llama-bench`` (one sequence,
+    ``tokens`` processed after ``depth`` cached ones)."""
+
+    source: str
+    model: str
+    tool: str
+    metric: str
+    published: float
+    batch: int = 1
+    pp: int = 0
+    tg: int = 0
+    depth: int = 0
+    raw_row: str = field(default="", compare=False)
+
+    @property
+    def label(self) -> str:
+        if self.tool == "llama-batched-bench":
+            kind = "tg" if self.metric == "decode_tok_s" else "pp"
+            return f"batched {kind} B={self.batch} pp={self.pp}"
+        kind = "tg32" if self.metric == "decode_tok_s" else "pp2048"
+        return f"bench {kind} @ d{self.depth}"
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.source, self.model)
+
+
+def _records(path: Path = DATA) -> list[dict[str, Any]]:
+    return json.loads(path.read_text())["records"]
+
+
+@functools.cache
+def load_points(path: Path = DATA) -> tuple[Point, ...]:
+    """Every llama.cpp DGX Spark point of a model in ``GGUF_MODELS``."""
+    out = []
+    for r in _records(path):
+        if r["source"] not in LLAMA_CPP_SOURCES or r["model"] not in GGUF_MODELS:
+            continue
+        common = dict(source=r["source"], model=r["model"], raw_row=r.get("raw_row", ""))
+        if r["tool"] == "llama-batched-bench":
+            shape = dict(batch=r["batch"], pp=r["pp"], tg=r["tg"])
+            out.append(Point(**common, tool=r["tool"], metric="decode_tok_s",
+                             published=r["s_tg_tok_s"], **shape))  # fmt: skip
+            out.append(Point(**common, tool=r["tool"], metric="prefill_tok_s",
+                             published=r["s_pp_tok_s"], **shape))  # fmt: skip
+        elif r["tool"] == "llama-bench":
+            metric = "decode_tok_s" if r["kind"] == "tg" else "prefill_tok_s"
+            out.append(Point(**common, tool=r["tool"], metric=metric, published=r["tok_s"],
+                             depth=r["depth"], pp=r["tokens"] if r["kind"] == "pp" else 0,
+                             tg=r["tokens"] if r["kind"] == "tg" else 0))  # fmt: skip
+    return tuple(out)
+
+
+def is_fit_point(p: Point, profile: EngineProfile | None = None) -> bool:
+    """The points a (source, model) is fitted on (module docstring), and the point each shared
+    parameter of ``profile`` is fitted on."""
+    if profile is not None and any(
+        (p.model, p.label) == anchor for anchor in profile.shared.values()
+    ):
+        return True
+    if p.tool == "llama-batched-bench":
+        return p.metric == "decode_tok_s" and p.batch == 1 and p.pp == 512
+    return p.metric == "prefill_tok_s" and p.depth == 0
+
+
+def cost_model(model: str, params: CostParams, profile: EngineProfile, **options: Any) -> CostModel:
+    """The cost model of a published GGUF ``model`` under ``profile``."""
+    preset, fmt = GGUF_MODELS[model]
+    options = {"moe_routing": profile.routing} | options
+    return CostModel(
+        preset,
+        fmt,
+        "gb10",
+        kv_cache_dtype=profile.kv_cache_dtype,
+        dtype=profile.dtype,
+        params=params,
+        block_size=profile.block_size,
+        combine=profile.combine,
+        **options,
+    )
+
+
+def ubatches(batch: int, pp: int, size: int) -> list[StepShape]:
+    """``batch`` prompts of ``pp`` tokens laid out one sequence after another and cut into
+    forwards of ``size`` tokens: each forward's ``(tokens, context_before)`` pieces."""
+    out, pieces, room = [], [], size
+    for _ in range(batch):
+        start = 0
+        while start < pp:
+            n = min(room, pp - start)
+            pieces.append((n, start))
+            start, room = start + n, room - n
+            if room == 0:
+                out.append(StepShape(tuple(pieces)))
+                pieces, room = [], size
+    if pieces:
+        out.append(StepShape(tuple(pieces)))
+    return out
+
+
+def simulate(p: Point, cm: CostModel, profile: EngineProfile) -> float:
+    """The rate ``cm`` predicts for ``p`` under ``profile`` (tokens per second)."""
+    if p.tool == "llama-batched-bench":
+        if p.metric == "prefill_tok_s":
+            seconds = sum(cm.step_time(s) for s in ubatches(p.batch, p.pp, profile.ubatch))
+            return p.batch * p.pp / seconds
+        seconds = sum(cm.step_time(StepShape.decode(p.batch, p.pp + i)) for i in range(p.tg))
+        return p.batch * p.tg / seconds
+    if p.metric == "prefill_tok_s":
+        seconds = sum(
+            cm.step_time(StepShape(((s.num_tokens, p.depth + s.seqs[0][1]),)))
+            for s in ubatches(1, p.pp, profile.ubatch)
+        )
+        return p.pp / seconds
+    seconds = sum(cm.step_time(StepShape.decode(1, p.depth + i)) for i in range(p.tg))
+    return p.tg / seconds
+
+
+def _base_params(profile: EngineProfile) -> CostParams:
+    return CostParams(**({"bandwidth_efficiency": 1.0, "per_step_overhead_s": 0.0} | profile.fixed))
+
+
+def fit(
+    points: Sequence[Point],
+    model: str,
+    profile: EngineProfile,
+    names: Sequence[str] | None = None,
+    base: CostParams | None = None,
+    **options: Any,
+) -> CostParams:
+    """``names`` (default ``profile.fitted``) of ``model`` by least squares on the log of
+    ``points``' rates, the other fields from ``base``."""
+    from scipy.optimize import least_squares
+
+    base = _base_params(profile) if base is None else base
+    names = tuple(profile.fitted if names is None else names)
+
+    def residuals(x: Sequence[float]) -> list[float]:
+        params = replace(base, **dict(zip(names, x, strict=True)))
+        cm = cost_model(model, params, profile, **options)
+        return [math.log(simulate(p, cm, profile) / p.published) for p in points]
+
+    x0 = [0.8] * len(names)
+    sol = least_squares(residuals, x0, bounds=([1e-3] * len(names), [1.0] * len(names)))
+    return replace(base, **dict(zip(names, sol.x, strict=True)))
+
+
+@dataclass(frozen=True)
+class Row:
+    point: Point
+    predicted: float
+    fitted: bool
+
+    @property
+    def error(self) -> float:
+        """Signed relative error of the prediction."""
+        return self.predicted / self.point.published - 1.0
+
+
+def validate(
+    points: Iterable[Point] | None = None,
+    profile: str = "llama.cpp",
+    **options: Any,
+) -> tuple[list[Row], dict[tuple[str, str], CostParams]]:
+    """Fit every (source, model) on its fit points, predict all its points."""
+    prof = PROFILES[profile]
+    points = list(load_points() if points is None else points)
+    groups: dict[tuple[str, str], list[Point]] = {}
+    for p in points:
+        groups.setdefault(p.key, []).append(p)
+    rows, params = [], {}
+    shared: dict[str, dict[str, float]] = {}  # source -> shared fields
+    anchors = {model for model, _ in prof.shared.values()}
+    # Anchor models first: they fit the shared fields with their own.
+    for key in sorted(groups, key=lambda k: k[1] not in anchors):
+        pts = groups[key]
+        fit_pts = [p for p in pts if is_fit_point(p, prof)]
+        names = list(prof.fitted)
+        names += [f for f, (model, _) in prof.shared.items() if model == key[1]]
+        base = replace(_base_params(prof), **shared.get(key[0], {}))
+        if len(fit_pts) < len(names):
+            raise ValueError(f"{key}: {len(fit_pts)} fit points for {len(names)} parameters")
+        params[key] = fit(fit_pts, key[1], prof, names, base, **options)
+        for f, (model, _) in prof.shared.items():
+            if model == key[1]:
+                shared.setdefault(key[0], {})[f] = getattr(params[key], f)
+        cm = cost_model(key[1], params[key], prof, **options)
+        rows += [Row(p, simulate(p, cm, prof), is_fit_point(p, prof)) for p in pts]
+    return rows, params
+
+
+def summary(rows: Sequence[Row]) -> dict[str, float]:
+    """Median and worst |error| over the points NOT fitted, and how many are beyond 30%."""
+    errors = [abs(r.error) for r in rows if not r.fitted]
+    return {
+        "points": len(errors),
+        "median": statistics.median(errors),
+        "worst": max(errors),
+        "beyond_30": sum(e > 0.30 for e in errors),
+    }
+
+
+def growth(rows: Sequence[Row], pp: int = 512, lo: int = 1, hi: int = 32) -> dict[tuple, tuple]:
+    """Per (source, model): decode rate at B=hi over B=lo in ``llama-batched-bench`` at ``pp``,
+    (published, predicted)."""
+    rates: dict[tuple, dict[int, Row]] = {}
+    for r in rows:
+        p = r.point
+        if p.tool == "llama-batched-bench" and p.metric == "decode_tok_s" and p.pp == pp:
+            rates.setdefault(p.key, {})[p.batch] = r
+    return {
+        key: (
+            by[hi].point.published / by[lo].point.published,
+            by[hi].predicted / by[lo].predicted,
+        )
+        for key, by in rates.items()
+        if lo in by and hi in by
+    }
+
+
+def format_report(rows: Sequence[Row], params: dict[tuple[str, str], CostParams]) -> str:
+    lines = []
+    by_key: dict[tuple[str, str], list[Row]] = {}
+    for r in rows:
+        by_key.setdefault(r.point.key, []).append(r)
+    for key, rs in by_key.items():
+        prm = params[key]
+        lines.append(
+            f"\n### {key[1]} ({key[0]})  bandwidth_efficiency {prm.bandwidth_efficiency:.3f}, "
+            f"native_gemm_efficiency {prm.native_gemm_efficiency:.3f}, "
+            f"attention_efficiency {prm.attention_efficiency:.3f}\n"
+        )
+        lines.append("| point | published tok/s | predicted tok/s | error |")
+        lines.append("|---|---:|---:|---:|")
+        for r in rs:
+            mark = " (fitted)" if r.fitted else ""
+            lines.append(
+                f"| {r.point.label}{mark} | {r.point.published:.2f} | {r.predicted:.2f} | "
+                f"{r.error:+.1%} |"
+            )
+        s = summary(rs)
+        lines.append(
+            f"\nnot fitted: {s['points']} points, median |error| {s['median']:.1%}, worst "
+            f"{s['worst']:.1%}, {s['beyond_30']} beyond 30%"
+        )
+    s = summary(rows)
+    head = [
+        "| set | points not fitted | median abs error | worst | beyond 30% |",
+        "|---|---:|---:|---:|---:|",
+        f"| all | {s['points']} | {s['median']:.1%} | {s['worst']:.1%} | {s['beyond_30']} |",
+    ]
+    for metric in ("decode_tok_s", "prefill_tok_s"):
+        sm = summary([r for r in rows if r.point.metric == metric])
+        head.append(
+            f"| {metric} | {sm['points']} | {sm['median']:.1%} | {sm['worst']:.1%} | "
+            f"{sm['beyond_30']} |"
+        )
+    head += ["", "| model (source) | decode B=32 / B=1 at pp=512: published | predicted | error |",
+             "|---|---:|---:|---:|"]  # fmt: skip
+    for key, (pub, pred) in growth(rows).items():
+        head.append(f"| {key[1]} ({key[0]}) | {pub:.2f}x | {pred:.2f}x | {pred / pub - 1:+.1%} |")
+    return "\n".join(head + lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", default="llama.cpp", choices=sorted(PROFILES))
+    ap.add_argument("--routing", default=None, help="MoE routing law (default: the profile's)")
+    args = ap.parse_args(argv)
+    options = {} if args.routing is None else {"moe_routing": args.routing}
+    rows, params = validate(profile=args.profile, **options)
+    print(format_report(rows, params))
+
+
+if __name__ == "__main__":
+    main()
