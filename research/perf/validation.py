@@ -12,10 +12,11 @@ describe its kernels:
   forward over every sequence piece it holds; its decode runs ``tg`` steps of B one-token rows at
   contexts ``pp .. pp + tg - 1``. ``llama-bench`` runs ``pp2048 @ dN`` as one 2,048-token ubatch
   after N cached tokens and ``tg32 @ dN`` as 32 single-token steps. Weights are priced as the GGUF
-  files store them (``cost_model.GGUF_FORMATS``), KV as f16, and memory and compute times of an
-  operator ADD (``combine="sum"``): llama.cpp's batched decode on GB10 does not hide its GEMM math
-  under the weight stream (the dense 7B's decode step grows from 34 ms at B=1 to 54 ms at B=32
-  while the bytes it reads grow by 3%).
+  files store them (``cost_model.GGUF_FORMATS``), KV as f16, and the memory and compute times of
+  the dense GEMMs, attention and the output layer ADD (``combine``): llama.cpp's batched decode
+  on GB10 does not hide that math under the weight stream (the dense 7B's decode step grows
+  from 34 ms at B=1 to 54 ms at B=32 while the bytes it reads grow by about 12%); the expert
+  GEMMs, a few rows per expert at decode, overlap (max).
 
 Per model and source revision, two efficiencies are fitted on batch 1 at the shortest context:
 ``bandwidth_efficiency`` on the decode rate of ``llama-batched-bench`` B=1 pp=512 and
