@@ -172,7 +172,9 @@ def run_point(
         log, executor.step_log = executor.step_log, None
         variants = band_variants(executor.cost_model)
         point |= band_keys(
-            point, {k: retime(result, log, v).metrics() for k, v in variants.items()}
+            point,
+            {k: retime(result, log, v).metrics() for k, v in variants.items()},
+            moe=executor.cost_model.cfg.is_moe,
         )
     return point
 

@@ -196,3 +196,35 @@ def test_decode_step_reads_fewer_experts_under_the_measured_law():
         cm.breakdown(shape)["distinct_experts_per_layer"]
         < 0.8 * uni.breakdown(shape)["distinct_experts_per_layer"]
     )
+
+
+def test_stored_band_errors_are_the_validation_errors(validated):
+    """data/validation_errors.json is what the validation gives today (regenerate it with
+    ``python -m research.perf.validation --write-errors`` after a model change)."""
+    from research.perf.bands import validation_errors
+    from research.perf.validation import error_quantiles
+
+    rows, _ = validated
+    fresh = error_quantiles(rows)
+    stored = validation_errors()
+    for kind in ("moe", "dense"):
+        for phase in ("decode", "prefill"):
+            assert stored[kind][phase] == pytest.approx(fresh[kind][phase], abs=1e-9)
+    assert fresh["moe"]["decode"][0] < 0 < fresh["moe"]["decode"][1]
+
+
+def test_bands_widen_by_the_validation_errors():
+    """A rate predicted at 100 whose MoE decode errors ran from r05 to r95 spans
+    100 / (1 + r95) .. 100 / (1 + r05); a time 10 spans 10 (1 + r05) .. 10 (1 + r95); without a
+    model kind the corners are left as they are."""
+    from research.perf.bands import band_keys, validation_errors
+
+    r05, r95 = validation_errors()["moe"]["decode"]
+    point = {"output_throughput": 100.0, "median_tpot_ms": 10.0}
+    keys = band_keys(point, {"optimistic": point, "pessimistic": point}, moe=True)
+    assert keys["band_output_throughput_lo"] == pytest.approx(100 / (1 + r95))
+    assert keys["band_output_throughput_hi"] == pytest.approx(100 / (1 + r05))
+    assert keys["band_median_tpot_ms_lo"] == pytest.approx(10 * (1 + r05))
+    assert keys["band_median_tpot_ms_hi"] == pytest.approx(10 * (1 + r95))
+    plain = band_keys(point, {"optimistic": point})
+    assert plain["band_output_throughput_lo"] == plain["band_output_throughput_hi"] == 100.0

@@ -11,6 +11,14 @@ Two assumptions are not pinned by single-request points:
   batch 1; the corners put 0 and twice ``ASSUMED_PER_SEQ_OVERHEAD_S`` per sequence (keeping the
   batch-1 total).
 
+Then the band is widened by how wrong the model is where it can be checked: the 5th to 95th
+percentile of its signed error on public GB10 measurements it was not fitted on
+(``research.perf.validation``, stored in ``data/validation_errors.json``), per model kind (MoE or
+dense) and phase (decode errors for throughputs and TPOT, prefill errors for TTFT). A prediction
+``p`` of a rate whose errors ran from ``r05`` to ``r95`` spans ``p / (1 + r95) .. p / (1 + r05)``;
+a time, ``p * (1 + r05) .. p * (1 + r95)``. Those errors were measured on llama.cpp's engine
+profile, the only one with public GB10 curves in the validation set: for vLLM they are a proxy.
+
 ``band_variants`` builds the two corner cost models (each corner takes the optimistic or the
 pessimistic side of every assumption). In a closed loop with every request available at once,
 the scheduler's decisions do not depend on how long steps take (a finished request's slot is
@@ -23,6 +31,8 @@ keys of a results point; ``plot_prediction_bands`` draws them.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -101,13 +111,49 @@ def retime(
     return dataclasses.replace(result, records=records, duration=duration)
 
 
-def band_keys(central: Mapping[str, Any], variants: Mapping[str, Mapping[str, Any]]) -> dict:
-    """``band_<metric>_lo`` / ``_hi`` over the central point and the variants' metrics."""
+ERRORS_PATH = Path(__file__).parent / "data" / "validation_errors.json"
+# Which validation errors widen which metric: (phase, is it a time).
+METRIC_ERRORS = {
+    "output_throughput": ("decode", False),
+    "total_token_throughput": ("decode", False),
+    "per_user_tok_s": ("decode", False),
+    "median_tpot_ms": ("decode", True),
+    "median_ttft_ms": ("prefill", True),
+}
+
+
+@functools.cache
+def validation_errors() -> dict[str, dict[str, list[float]]]:
+    """The stored signed-error quantiles (module docstring): kind -> phase -> [r05, r95]."""
+    return json.loads(ERRORS_PATH.read_text())["signed_error"]
+
+
+def widen(lo: float, hi: float, metric: str, moe: bool) -> tuple[float, float]:
+    """``[lo, hi]`` widened by the validation errors of ``metric`` (module docstring)."""
+    phase, is_time = METRIC_ERRORS[metric]
+    r05, r95 = validation_errors()["moe" if moe else "dense"][phase]
+    if is_time:
+        return lo * min(1.0, 1 + r05), hi * max(1.0, 1 + r95)
+    return lo / max(1.0, 1 + r95), hi / min(1.0, 1 + r05)
+
+
+def band_keys(
+    central: Mapping[str, Any],
+    variants: Mapping[str, Mapping[str, Any]],
+    moe: bool | None = None,
+) -> dict:
+    """``band_<metric>_lo`` / ``_hi`` over the central point and the variants' metrics, widened
+    by the validation errors of a MoE (``moe=True``) or dense model (None: not widened)."""
     out: dict[str, Any] = {"band_variants": ",".join(variants)}
+    if moe is not None:
+        out["band_variants"] += ",validation_errors"
     for metric in BAND_METRICS:
         values = [m[metric] for m in (central, *variants.values()) if m.get(metric) is not None]
         if values:
-            out[f"band_{metric}_lo"], out[f"band_{metric}_hi"] = min(values), max(values)
+            lo, hi = min(values), max(values)
+            if moe is not None:
+                lo, hi = widen(lo, hi, metric, moe)
+            out[f"band_{metric}_lo"], out[f"band_{metric}_hi"] = lo, hi
     return out
 
 
@@ -136,11 +182,22 @@ def plot_prediction_bands(points: Sequence[Mapping[str, Any]], path: str | Path)
         ax.set_title(metric.replace("_", " "))
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("predictions (line: central assumptions; band: optimistic to pessimistic)")
+    fig.suptitle(
+        "predictions (line: central assumptions; band: optimistic to pessimistic corners, "
+        "widened by the 5-95% error on public GB10 measurements)"
+    )
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
     return path
 
 
-__all__ = ["BAND_METRICS", "band_keys", "band_variants", "plot_prediction_bands", "retime"]
+__all__ = [
+    "BAND_METRICS",
+    "band_keys",
+    "band_variants",
+    "plot_prediction_bands",
+    "retime",
+    "validation_errors",
+    "widen",
+]

@@ -275,6 +275,7 @@ class CostModel:
         block_size: int = 16,
         expert_parallel: bool = False,
         combine: str | dict[str, str] = "max",
+        moe_load_sigma: float | None = None,
     ) -> None:
         if quantization not in WEIGHT_FORMATS:
             raise ValueError(f"quantization must be one of {WEIGHT_FORMATS}, got {quantization!r}")
@@ -287,6 +288,8 @@ class CostModel:
                 f"(operators {OPERATORS}), got {combine!r}"
             )
         self.combine = combine
+        # The ``lognormal`` law's popularity shape (None: the model's measured one).
+        self.moe_load_sigma = moe_load_sigma
         if moe_routing not in ROUTING_LAWS:
             raise ValueError(f"moe_routing must be one of {ROUTING_LAWS}, got {moe_routing!r}")
         if block_size < 1:
@@ -379,7 +382,7 @@ class CostModel:
             cfg.num_experts_per_tok,
             seqs,
             self.params.moe_concentration,
-            sigma=load_sigma(cfg.name),
+            sigma=load_sigma(cfg.name) if self.moe_load_sigma is None else self.moe_load_sigma,
         )
 
     def work(self, shape: StepShape) -> list[StepWork]:
@@ -579,6 +582,7 @@ class CostModel:
             block_size=self.block_size,
             expert_parallel=self.split.expert_parallel,
             combine=self.combine,
+            moe_load_sigma=self.moe_load_sigma,
         )
 
 

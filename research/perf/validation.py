@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from research.perf.cost_model import CostModel, CostParams, StepShape
+from research.perf.kv_capacity import resolve_model
 
 DATA = Path(__file__).parent / "data" / "gb10_public.json"
 
@@ -326,6 +327,68 @@ def growth(rows: Sequence[Row], pp: int = 512, lo: int = 1, hi: int = 32) -> dic
     }
 
 
+def implied_sigma(
+    rows: Sequence[Row], params: dict[tuple[str, str], CostParams], batch: int = 32, pp: int = 512
+) -> dict[tuple[str, str], float]:
+    """A diagnostic, not used by the model: per MoE (source, model), the ``lognormal`` routing
+    shape under which the fitted model meets the published decode rate at ``batch`` and
+    ``pp`` (what the published curve says about routing on the bench's inputs)."""
+    from scipy.optimize import brentq
+
+    prof = PROFILES["llama.cpp"]
+    out = {}
+    for r in rows:
+        p = r.point
+        if not (p.tool == "llama-batched-bench" and p.metric == "decode_tok_s"
+                and p.batch == batch and p.pp == pp):  # fmt: skip
+            continue
+        if not resolve_model(GGUF_MODELS[p.model][0]).is_moe:
+            continue
+
+        def gap(sigma: float, p: Point = p) -> float:
+            cm = cost_model(p.model, params[p.key], prof, moe_load_sigma=sigma)
+            return math.log(simulate(p, cm, prof) / p.published)
+
+        out[p.key] = brentq(gap, 0.0, 4.0) if gap(0.0) * gap(4.0) < 0 else float("nan")
+    return out
+
+
+ERRORS_PATH = DATA.parent / "validation_errors.json"
+ERROR_QUANTILES = (0.05, 0.95)
+
+
+def error_quantiles(rows: Sequence[Row], q: Sequence[float] = ERROR_QUANTILES) -> dict:
+    """The 5th and 95th percentiles of the signed error (predicted / published - 1) over the
+    points not fitted, per model kind (``moe`` / ``dense``) and metric (``decode`` /
+    ``prefill``): what ``research.perf.bands`` widens a simulated curve by."""
+    import numpy as np
+
+    out: dict[str, dict[str, list[float]]] = {}
+    for kind in ("moe", "dense"):
+        for metric in ("decode", "prefill"):
+            errors = [
+                r.error
+                for r in rows
+                if not r.fitted
+                and r.point.metric == f"{metric}_tok_s"
+                and (GGUF_MODELS[r.point.model][0] != "qwen2.5-coder-7b") == (kind == "moe")
+            ]
+            out.setdefault(kind, {})[metric] = [float(np.quantile(errors, x)) for x in q]
+    return out
+
+
+def write_errors(rows: Sequence[Row], path: Path = ERRORS_PATH) -> Path:
+    """``error_quantiles(rows)`` as JSON, with how it was made."""
+    data = {
+        "made_by": "python -m research.perf.validation --write-errors",
+        "quantiles": list(ERROR_QUANTILES),
+        "points_not_fitted": sum(not r.fitted for r in rows),
+        "signed_error": error_quantiles(rows),
+    }
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
 def format_report(rows: Sequence[Row], params: dict[tuple[str, str], CostParams]) -> str:
     lines = []
     by_key: dict[tuple[str, str], list[Row]] = {}
@@ -367,6 +430,15 @@ def format_report(rows: Sequence[Row], params: dict[tuple[str, str], CostParams]
              "|---|---:|---:|---:|"]  # fmt: skip
     for key, (pub, pred) in growth(rows).items():
         head.append(f"| {key[1]} ({key[0]}) | {pub:.2f}x | {pred:.2f}x | {pred / pub - 1:+.1%} |")
+    from research.perf.routing import load_sigma
+
+    head += ["", "Diagnostic (not used by the model): the lognormal routing shape at which the "
+             "fitted model meets the published B=32 pp=512 decode rate, against the shape in "
+             "use (from router measurements on natural text).", "",
+             "| model (source) | shape in use | shape the B=32 point implies |", "|---|---:|---:|"]  # fmt: skip
+    for key, sigma in implied_sigma(rows, params).items():
+        used = load_sigma(GGUF_MODELS[key[1]][0])
+        head.append(f"| {key[1]} ({key[0]}) | {used:.2f} | {sigma:.2f} |")
     return "\n".join(head + lines)
 
 
@@ -374,10 +446,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default="llama.cpp", choices=sorted(PROFILES))
     ap.add_argument("--routing", default=None, help="MoE routing law (default: the profile's)")
+    ap.add_argument(
+        "--write-errors",
+        action="store_true",
+        help=f"write the error quantiles the prediction bands use to {ERRORS_PATH.name}",
+    )
     args = ap.parse_args(argv)
     options = {} if args.routing is None else {"moe_routing": args.routing}
     rows, params = validate(profile=args.profile, **options)
     print(format_report(rows, params))
+    if args.write_errors:
+        print(f"\nwrote {write_errors(rows)}")
 
 
 if __name__ == "__main__":
