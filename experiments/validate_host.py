@@ -52,7 +52,8 @@ class SimulatedBackend:
             requests,
             max_concurrency=max_concurrency,
             clock=e.clock,
-            sleep=e.executor.clock.sleep,
+            # a router of replicas advances its own clock; one engine, its executor's
+            sleep=e.sleep if hasattr(e, "sleep") else e.executor.clock.sleep,
         )
 
     def stats(self) -> dict[str, Any]:
@@ -61,7 +62,9 @@ class SimulatedBackend:
 
 def _single_stream(run: RunConfig, backend: Any, prompt_len: int) -> dict:
     """Median TPOT and TTFT (ms) of ``prompts_per_concurrency`` requests sent one at a time,
-    after one untimed request of the same lengths, and the engine's host seconds per step."""
+    after one untimed request of the same lengths, and the engine's host seconds per step
+    (None where the backend does not report it: replicas behind the router, measured over
+    HTTP, whose host time is then fitted)."""
     from experiments.sweep import _requests
 
     w = dataclasses.replace(run.workload, input_len=prompt_len)
@@ -74,16 +77,19 @@ def _single_stream(run: RunConfig, backend: Any, prompt_len: int) -> dict:
     after = backend.stats()
     if failed := [r.error for r in result.records if not r.success]:
         raise ValueError(f"single-stream run at prompt {prompt_len} failed: {failed[0]}")
+    if "num_steps" not in after:
+        return result.metrics() | {"host_s_per_step": None}
     steps = after["num_steps"] - before["num_steps"]
     host = (after["host_time_s"] - before["host_time_s"]) / steps
     return result.metrics() | {"host_s_per_step": host}
 
 
 def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
-    from experiments.backends import EngineBackend
+    from experiments.backends import EngineBackend, ReplicasBackend
     from experiments.sweep import fresh_results, point_seeds, run_point
     from research.bench.provenance import provenance, write_csv
     from research.perf.host_model import SingleStream, fit_host, simulated_engine
+    from research.perf.simulated import ReplicaRouter
 
     if run.executor.kind != "real":
         raise ValueError("experiment=validate_host measures the real engine: use executor=real")
@@ -91,23 +97,31 @@ def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
     results = fresh_results(out_dir)
     config = dataclasses.asdict(run)
     t0 = time.perf_counter()
-    real = EngineBackend(run)
+    replicas = run.hardware.num_replicas
+    # The engine one replica runs (with one replica: the engine measured): its sizes, pool and
+    # attention backend describe each simulated box.
+    one = dataclasses.replace(run, hardware=dataclasses.replace(run.hardware, num_replicas=1))
+    local = EngineBackend(one)
+    # With replicas, everything is measured on the deployment itself (each replica pinned to
+    # its share of the cores, behind the router): the single-stream fit included.
+    real = ReplicasBackend(run) if replicas > 1 else local
     w, s = run.workload, run.scheduler
+    engine = local.llm.engine
     # The second prompt length: 4x the workload's, within max_model_len.
-    long_prompt = min(4 * w.input_len, real.llm.engine.max_model_len - w.output_len)
+    long_prompt = min(4 * w.input_len, engine.max_model_len - w.output_len)
     if long_prompt <= w.input_len:
-        raise ValueError(f"max_model_len {real.llm.engine.max_model_len} leaves no longer prompt")
+        raise ValueError(f"max_model_len {engine.max_model_len} leaves no longer prompt")
     log.info(
         f"[validate_host] {real.label}: single-stream runs (prompts {w.input_len}, {long_prompt})"
     )
     runs = {n: _single_stream(run, real, n) for n in (w.input_len, long_prompt)}
+    hosts = [r["host_s_per_step"] for r in runs.values()]
     measured = SingleStream(
         output_len=w.output_len,
         tpot_s={n: r["median_tpot_ms"] / 1e3 for n, r in runs.items()},
         ttft_s={n: r["median_ttft_ms"] / 1e3 for n, r in runs.items()},
-        host_s_per_step=sum(r["host_s_per_step"] for r in runs.values()) / len(runs),
+        host_s_per_step=None if None in hosts else sum(hosts) / len(hosts),
     )
-    engine = real.llm.engine
     model = fit_host(
         run.model.model,
         measured,
@@ -117,11 +131,19 @@ def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
         block_size=run.cache.block_size,
         quantization=run.quantization.quantization,
         dtype=run.model.dtype,
-        attention_backend=real.attention_backend,
+        attention_backend=local.attention_backend,
     )
     log.info(f"  {describe_fit(measured, model)}")
     cache = dataclasses.replace(engine.cache_config, num_kv_blocks=engine.block_manager.num_blocks)
-    sim_engine = simulated_engine(model, cache, engine.scheduler_config, engine.max_model_len)
+    boxes = [
+        simulated_engine(model, cache, engine.scheduler_config, engine.max_model_len)
+        for _ in range(replicas)
+    ]
+    sim_engine = (
+        ReplicaRouter(boxes, seed=w.seed, routing=run.hardware.routing)
+        if replicas > 1
+        else boxes[0]
+    )
     sim = SimulatedBackend(sim_engine, real, f"host-model {run.model.model}")
     rows = []
     for c in run.experiment.concurrencies:
@@ -148,13 +170,14 @@ def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
 
 def describe_fit(measured: Any, model: Any) -> str:
     hw, p = model.hw, model.params
+    host = "measured" if measured.host_s_per_step is not None else "fitted"
     fitted_on = ", ".join(
         f"prompt {n}: TPOT {measured.tpot_s[n] * 1e3:.1f} ms, TTFT {t * 1e3:.0f} ms"
         for n, t in measured.ttft_s.items()
     )
     return (
         f"fitted on single-stream runs ({fitted_on}; host {p.per_step_overhead_s * 1e3:.2f} ms "
-        f"per step, measured) -> {hw.achievable_bandwidth / 1e9:.1f} GB/s, "
+        f"per step, {host}) -> {hw.achievable_bandwidth / 1e9:.1f} GB/s, "
         f"{hw.tensor_flops['fp32'] / 1e9:.1f} GFLOP/s, attention FLOPs at "
         f"{p.attention_efficiency:.2f} of that, attention reads at "
         f"{p.attention_read_efficiency * hw.achievable_bandwidth / 1e9:.1f} GB/s"
