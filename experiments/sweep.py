@@ -152,7 +152,7 @@ def run_point(
         }
     if "num_preemptions" in after:
         extra["num_preemptions"] = int(_delta(after, before, "num_preemptions"))
-    if steps and run.executor.kind == "real":
+    if steps and step_time and run.executor.kind == "real":  # (a simulated router: no wall time)
         extra |= {
             "num_steps": int(steps),
             "mean_step_ms": 1000 * step_time / steps,

@@ -62,7 +62,7 @@ class SimulatedBackend:
 
 def _single_stream(run: RunConfig, backend: Any, prompt_len: int) -> dict:
     """Median TPOT and TTFT (ms) of ``prompts_per_concurrency`` requests sent one at a time,
-    after one untimed request of the same lengths, and the engine's host seconds per step
+    after untimed requests of the same lengths (one, or two per replica behind a router), and the engine's host seconds per step
     (None where the backend does not report it: replicas behind the router, measured over
     HTTP, whose host time is then fitted)."""
     from experiments.sweep import _requests
@@ -70,7 +70,10 @@ def _single_stream(run: RunConfig, backend: Any, prompt_len: int) -> dict:
     w = dataclasses.replace(run.workload, input_len=prompt_len)
     one = dataclasses.replace(run, workload=w)
     seed = w.seed * 1_000_003 + prompt_len
-    backend.run(_requests(one, backend, 1, seed + 7), 1, False)
+    # Untimed requests first: one per engine is not enough behind a router, which may send the
+    # timed ones to a replica that has not run these shapes yet (a compile inside the timing).
+    warmups = 2 * run.hardware.num_replicas if run.hardware.num_replicas > 1 else 1
+    backend.run(_requests(one, backend, warmups, seed + 7), 1, False)
     before = backend.stats()
     n = run.experiment.prompts_per_concurrency
     result = backend.run(_requests(one, backend, n, seed), 1, False)
