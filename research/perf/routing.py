@@ -43,6 +43,7 @@ Pure Python: JAX is not imported.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -76,6 +77,16 @@ def lognormal_distinct(num_experts: float, top_k: int, num_tokens: int, sigma: f
         return 0.0
     if sigma <= 0:
         return expected_distinct_experts(num_experts, top_k, num_tokens)
+    weights, pick = _lognormal_picks(float(num_experts), int(top_k), float(sigma))
+    miss = float(np.sum(weights * (1.0 - pick) ** num_tokens))
+    return float(num_experts * (1.0 - miss))
+
+
+@functools.lru_cache(maxsize=256)
+def _lognormal_picks(num_experts: float, top_k: int, sigma: float) -> tuple:
+    """Quadrature weights and the per-node pick probabilities of ``lognormal_distinct``."""
+    import numpy as np
+
     z, weights = np.polynomial.hermite_e.hermegauss(_QUADRATURE_POINTS)
     weights = weights / weights.sum()
     w = np.exp(sigma * z - sigma**2 / 2)
@@ -88,9 +99,7 @@ def lognormal_distinct(num_experts: float, top_k: int, num_tokens: int, sigma: f
             lo = mid
         else:
             hi = mid
-    pick = np.minimum(1.0, hi * top_k * w / num_experts)
-    miss = float(np.sum(weights * (1.0 - pick) ** num_tokens))
-    return float(num_experts * (1.0 - miss))
+    return weights, np.minimum(1.0, hi * top_k * w / num_experts)
 
 
 def fit_load_sigma(measured: dict = MEASURED_DISTINCT) -> float:
