@@ -168,8 +168,10 @@ def run_point(
     point = result_point(result, model_id=backend.model_id, extra=extra, goodput_slos=_slos(run))
     if executor is not None:
         from research.perf.bands import band_keys, band_variants, retime
+        from research.perf.simulated import trace_summary
 
         log, executor.step_log = executor.step_log, None
+        point |= trace_summary(log, sum(r.prompt_len for r in requests))
         variants = band_variants(executor.cost_model)
         point |= band_keys(
             point,

@@ -128,3 +128,23 @@ def test_retime_equals_a_full_rerun_under_the_other_model():
         retime(r, central.engine.executor.step_log, slower).metrics()["output_throughput"]
         < (moved["output_throughput"])
     )
+
+
+def test_trace_summary_counts_recomputed_prefill_and_its_time():
+    """Two prompts of 4 tokens, one preempted and recomputed: 12 prefill tokens of which 4
+    recomputed; the steps carrying a chunk take 3 of the 6 seconds; 5 decode rows over 4 steps."""
+    from research.perf.simulated import trace_summary
+
+    log = [
+        (0.0, 1.0, StepShape(((4, 0), (4, 0)))),
+        (1.0, 1.0, StepShape(((1, 4), (1, 4)))),
+        (2.0, 2.0, StepShape(((4, 0), (1, 5)))),  # the recompute beside a decode
+        (4.0, 2.0, StepShape(((1, 6), (1, 4)))),
+    ]
+    got = trace_summary(log, prompt_tokens=8)
+    assert got == {
+        "prefill_tokens": 12,
+        "recomputed_prefill_tokens": 4,
+        "prefill_time_share": 0.5,
+        "mean_decode_rows": 1.25,
+    }

@@ -115,6 +115,31 @@ class SimulatedExecutor:
         del block_ids, value  # no memory to poison
 
 
+def trace_summary(
+    step_log: list[tuple[float, float, StepShape]], prompt_tokens: int
+) -> dict[str, float]:
+    """What a simulated run's steps spent their time on, from the executor's ``step_log``:
+    ``prefill_tokens`` (prompt tokens computed, chunks of recomputed prompts included),
+    ``recomputed_prefill_tokens`` (beyond the ``prompt_tokens`` the requests brought: the cost
+    of preemption by recompute), ``prefill_time_share`` (seconds of steps that carry a prefill
+    chunk over all step seconds) and ``mean_decode_rows`` (decodes per step)."""
+    total = sum(seconds for _, seconds, _ in step_log)
+    prefill = decodes = 0
+    prefill_seconds = 0.0
+    for _, seconds, shape in step_log:
+        chunks = [n for n, _ in shape.seqs if n > 1]
+        prefill += sum(chunks)
+        decodes += shape.num_seqs - len(chunks)
+        if chunks:
+            prefill_seconds += seconds
+    return {
+        "prefill_tokens": prefill,
+        "recomputed_prefill_tokens": max(0, prefill - prompt_tokens),
+        "prefill_time_share": prefill_seconds / total if total else 0.0,
+        "mean_decode_rows": decodes / len(step_log) if step_log else 0.0,
+    }
+
+
 class ReplicaRouter:
     """N independent simulated boxes behind a router (data parallelism), as one engine for the
     benchmark driver: ``add_request`` sends each request to the replica ``routing`` picks (the
