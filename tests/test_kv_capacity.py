@@ -26,7 +26,7 @@ from research.perf import (
     vllm_batch_defaults,
     weight_bytes,
 )
-from research.perf.kv_capacity import (
+from research.perf.vllm_kv import (
     VLLM_TOKEN_REPORTS,
     check_vllm_log,
     format_kv_validation,

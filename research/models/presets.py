@@ -114,26 +114,6 @@ PRESETS: dict[str, ModelConfig] = {
             **_gpt_oss_switches(36, window=128),
             eos_token_ids=(200002, 199999),
         ),
-        # openai/gpt-oss-20b config.json: 24 layers, 32 experts, top-4; gpt-oss-120b's widths.
-        ModelConfig(
-            name="gpt-oss-20b",
-            architecture="gpt_oss",
-            vocab_size=201088,
-            hidden_size=2880,
-            num_layers=24,
-            num_heads=64,
-            num_kv_heads=8,
-            head_dim=64,
-            num_experts=32,
-            num_experts_per_tok=4,
-            moe_intermediate_size=2880,
-            rope_theta=150000.0,
-            rms_norm_eps=1e-5,
-            max_position_embeddings=131072,
-            rope_scaling=_GPT_OSS_YARN,
-            **_gpt_oss_switches(24, window=128),
-            eos_token_ids=(200002, 199999),
-        ),
         # Qwen/Qwen2.5-Coder-7B config.json (a Llama-shaped dense model with q/k/v biases; the
         # biases are priced as our attention_bias layout, o included: 3,584 extra elements).
         ModelConfig(
@@ -235,6 +215,15 @@ PRESETS["qwen3-coder-30b-a3b"] = dataclasses.replace(
     name="qwen3-coder-30b-a3b",
     rope_theta=1e7,
     max_position_embeddings=262144,
+)
+
+# openai/gpt-oss-20b config.json: gpt-oss-120b's widths, 24 layers, 32 experts (top-4).
+PRESETS["gpt-oss-20b"] = dataclasses.replace(
+    PRESETS["gpt-oss-120b"],
+    name="gpt-oss-20b",
+    num_layers=24,
+    num_experts=32,
+    **_gpt_oss_switches(24, window=128),
 )
 
 

@@ -235,9 +235,8 @@ def gemm_format(
     quantization: str | None, hw: Hardware, dtype: Any = "bfloat16"
 ) -> tuple[str, bool]:
     """(tensor dtype the GEMM runs in, whether weights are dequantized in the inner loop)."""
-    if quantization in GGUF_FORMATS:  # int8 MMA (MMQ); its rate is the fp8 one on sm_89+
-        return ("fp8", False) if "fp8" in hw.tensor_flops else ("bf16", True)
-    if quantization == "fp8":
+    # GGUF files run on int8 MMA (llama.cpp's MMQ), whose rate is the fp8 one on sm_89+.
+    if quantization == "fp8" or quantization in GGUF_FORMATS:
         return ("fp8", False) if "fp8" in hw.tensor_flops else ("bf16", True)
     if quantization in ("nvfp4", "mxfp4"):
         return ("fp4", False) if "fp4" in hw.tensor_flops else ("bf16", True)
