@@ -109,7 +109,8 @@ def test_fitted_parameters_see_only_the_fit_points():
     assert params == params2
     assert [r.predicted for r in rows] == [r.predicted for r in rows2]
     fitted = [r for r in rows if r.fitted]
-    assert len(fitted) == 2 * len(GGUF_MODELS) + 1  # two per model, one shared (attention)
+    # Two per model, one shared (attention), one gpt-oss-120b routing shape point.
+    assert len(fitted) == 2 * len(GGUF_MODELS) + 1 + len(prof.routing_fit)
     assert all(abs(r.error) < 0.02 for r in fitted)
 
 
@@ -130,15 +131,15 @@ def test_one_512_token_prompt_prefills_at_half_rate_on_moe_models_only():
 
 
 def test_out_of_sample_errors_are_bounded(validated):
-    """Every point not fitted (525): median error 3.9% today. The bounds guard today's accuracy
+    """Every point not fitted (522): median error 4.0% today. The bounds guard today's accuracy
     with a little room; the goal (10% median, none beyond 30%) is met on the median only: the
-    points beyond 30% are one-prompt MoE prefills, B=2 MoE decodes and gpt-oss-120b / Qwen3 decodes at
+    17 points beyond 30% are one-prompt MoE prefills, B=2 MoE decodes and Qwen3 decodes at
     B >= 16 (docs/experiments/gb10_validation.md)."""
     rows, _ = validated
     s = summary(rows)
     assert s["points"] >= 500
     assert s["median"] < 0.06
-    assert s["beyond_30"] <= 25
+    assert s["beyond_30"] <= 20
     decode = summary([r for r in rows if r.point.metric == "decode_tok_s"])
     assert decode["median"] < 0.08
     dense = summary([r for r in rows if r.point.model == DENSE])

@@ -275,7 +275,16 @@ class CostModel:
         expert_parallel: bool = False,
         combine: str | dict[str, str] = "max",
         moe_load_sigma: float | None = None,
+        quantized_weights: tuple[str, ...] | None = None,
+        weight_only: bool = False,
     ) -> None:
+        """``quantized_weights``: the per-layer weight keys (``wq``, ``w_gate``, ...) stored in
+        ``quantization``, plus ``lm_head`` for the output layer; None: what a checkpoint of the
+        architecture quantizes (``research.quant.layout.quantized_keys``), output layer in the
+        model dtype. For engines that quantize more than the checkpoint does (a vLLM build's
+        ``--mxfp4-layers moe,qkv,o,lm_head``). ``weight_only``: the GEMMs dequantize the
+        stored weights to the activation dtype in the inner loop (W4A16, vLLM's Marlin kernels)
+        instead of feeding them to the tensor cores as stored, whatever the hardware has."""
         if quantization not in WEIGHT_FORMATS:
             raise ValueError(f"quantization must be one of {WEIGHT_FORMATS}, got {quantization!r}")
         modes = combine.values() if isinstance(combine, dict) else (combine,)
@@ -313,6 +322,9 @@ class CostModel:
         )
         self.split = SplitPlan.for_model(self.cfg, tensor_parallel_size, expert_parallel)
         self.compute_dtype, self.dequantizes = gemm_format(quantization, self.hw, dtype)
+        self.weight_only = weight_only
+        if weight_only and quantization is not None and quantization not in GGUF_FORMATS:
+            self.compute_dtype, self.dequantizes = "bf16", True
         self.peak_flops = self.hw.sustained_flops(self.compute_dtype)
         self.kv_bytes_per_token = kv_bytes_per_token(self.cfg, kv_cache_dtype, dtype)
         self.kv_bytes_per_layer_token = self.kv_bytes_per_token / self.cfg.num_layers
@@ -323,7 +335,12 @@ class CostModel:
         self.act_bytes = elem  # activations between kernels are in the model dtype
         shapes = param_shapes(cfg)
 
-        keys = quantized_keys(cfg.architecture)
+        self.quantized_weights = quantized_weights
+        keys = quantized_keys(cfg.architecture) if quantized_weights is None else quantized_weights
+        if quantized_weights is not None and (quantization is None or quantization in GGUF_FORMATS):
+            raise ValueError(
+                f"quantized_weights needs an engine weight format, got quantization={quantization!r}"
+            )
 
         def stored(key: str, shape: tuple[int, ...]) -> int:
             if quantization in GGUF_FORMATS:
@@ -358,6 +375,10 @@ class CostModel:
         head_shape = shapes.get("lm_head", shapes["embed"])
         self.lm_head_bytes = math.prod(head_shape) * elem + math.prod(shapes["final_norm"]) * elem
         self.embed_row_bytes = cfg.hidden_size * elem
+        if "lm_head" in keys:
+            self.lm_head_bytes = (
+                quantized_bytes(head_shape, quantization) + math.prod(shapes["final_norm"]) * elem
+            )
         if quantization in GGUF_FORMATS:
             self.lm_head_bytes = gguf_bytes(head_shape, quantization) + gguf_bytes(
                 shapes["final_norm"], quantization
@@ -582,6 +603,8 @@ class CostModel:
             expert_parallel=self.split.expert_parallel,
             combine=self.combine,
             moe_load_sigma=self.moe_load_sigma,
+            quantized_weights=self.quantized_weights,
+            weight_only=self.weight_only,
         )
 
 

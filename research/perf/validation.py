@@ -28,7 +28,10 @@ fitted once per revision on the dense model's deepest prefill (pp2048 at depth 3
 attention is most of the time) and shared by every model of that revision. Every other point is
 predicted. MoE decode reads the distinct experts of the ``lognormal`` routing law
 (``research.perf.routing``), whose shape comes from measured router statistics, not from these
-points.
+points, except for gpt-oss-120b: no statistic of its router was found, so its shape is the one
+its B=32 pp=512 decode points imply (those points are marked fitted), and it is tested on the
+vLLM profile's curve of the same model (``research.perf.validation_vllm``, the report's last
+section), which nothing was fitted on but its C=1 point.
 
 ``python -m research.perf.validation`` prints the report (docs/experiments/gb10_validation.md).
 Pure Python (scipy for the fit); JAX is not imported.
@@ -78,6 +81,9 @@ class EngineProfile:
     # CostParams fields fitted once per source on one model's point, shared by every model of
     # that source: field -> (model, point label).
     shared: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # Models whose routing shape (research.perf.routing.LOAD_SIGMAS) is inferred from the
+    # profile's points rather than a router statistic: model -> label of those points.
+    routing_fit: dict[str, str] = field(default_factory=dict)
 
 
 PROFILES = {
@@ -97,6 +103,7 @@ PROFILES = {
         shared={
             "attention_efficiency": ("ggml-org/Qwen2.5-Coder-7B-Q8_0-GGUF", "bench pp2048 @ d32768")
         },
+        routing_fit={"ggml-org/gpt-oss-120b-GGUF": "batched tg B=32 pp=512"},
     ),
 }
 
@@ -161,10 +168,11 @@ def load_points(path: Path = DATA) -> tuple[Point, ...]:
 
 
 def is_fit_point(p: Point, profile: EngineProfile | None = None) -> bool:
-    """The points a (source, model) is fitted on (module docstring), and the point each shared
-    parameter of ``profile`` is fitted on."""
-    if profile is not None and any(
-        (p.model, p.label) == anchor for anchor in profile.shared.values()
+    """The points a (source, model) is fitted on (module docstring), the point each shared
+    parameter of ``profile`` is fitted on and those a routing shape is inferred from."""
+    if profile is not None and (
+        any((p.model, p.label) == anchor for anchor in profile.shared.values())
+        or profile.routing_fit.get(p.model) == p.label
     ):
         return True
     if p.tool == "llama-batched-bench":
@@ -455,6 +463,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     options = {} if args.routing is None else {"moe_routing": args.routing}
     rows, params = validate(profile=args.profile, **options)
     print(format_report(rows, params))
+    from research.perf import validation_vllm
+
+    print("\n## vLLM profile: continuous batching through our scheduler\n")
+    print(validation_vllm.format_report(*validation_vllm.validate(moe_routing="lognormal")))
     if args.write_errors:
         print(f"\nwrote {write_errors(rows)}")
 
