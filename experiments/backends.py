@@ -81,6 +81,8 @@ class EngineBackend:
                 speculative_config=run.speculative.speculative_config(),
             )
 
+        self._make_llm = make_llm
+        self.run_config = run
         self.llm = make_llm()
         self.engine = self.llm.engine
         # "auto" as resolved by the executor (native on CPU where it builds, else xla)
@@ -88,15 +90,8 @@ class EngineBackend:
             self.engine.executor, "backend", run.executor.attention_backend
         )
         self.gemm_backend = getattr(self.engine.executor, "gemm_backend", "xla")
-        if self.simulated and run.hardware.num_replicas > 1:
-            from research.perf.simulated import ReplicaRouter
-
-            engines = [self.engine] + [
-                make_llm().engine for _ in range(run.hardware.num_replicas - 1)
-            ]
-            self.engine = ReplicaRouter(
-                engines, seed=run.workload.seed, routing=run.hardware.routing
-            )
+        if self.simulated:
+            self.reset(run.workload.seed)
         cfg = self.llm.model_config
         self.model_id = m.model
         engine_name = f"simulated-{run.hardware.name}" if self.simulated else "ours"
@@ -119,7 +114,23 @@ class EngineBackend:
         if tokenizer is not None:
             special |= set(tokenizer.all_special_ids)
         self.special_ids = tuple(sorted(special))
-        self.run_config = run
+
+    def reset(self, seed: int) -> None:
+        """Simulated only: a fresh engine (virtual clock at 0, empty pool and prefix cache)
+        whose random draws (speculative acceptance, replica routing) start from ``seed``, so a
+        point's figures depend on its own seed only, never on the points run before it. (A real
+        engine keeps its compiled steps across points instead; it has no such draws.)"""
+        if not self.simulated:
+            return
+        run = self.run_config
+        engines = [self._make_llm().engine for _ in range(run.hardware.num_replicas)]
+        for i, engine in enumerate(engines):
+            engine.executor.reseed(seed + i)
+        self.engine = engines[0]
+        if run.hardware.num_replicas > 1:
+            from research.perf.simulated import ReplicaRouter
+
+            self.engine = ReplicaRouter(engines, seed=seed, routing=run.hardware.routing)
 
     def run(
         self, requests: list[BenchRequest], max_concurrency: int | None, progress: bool

@@ -1,19 +1,29 @@
 """Compare result files on one figure: ``python -m experiments.compare A.jsonl B.json ...``.
 
-Each file (our results.jsonl or a real ``vllm bench serve --save-result`` JSON) becomes one line
-per metric, with concurrency on x: block size, quantization or policy ablations, our engine
-against HF generate or vLLM. A directory stands for every results.jsonl below it (a Hydra
-multirun folder), in natural order (job 2 before job 10). Lines are labelled by ``--labels``,
-else by the ``label`` the points carry, completed with the factors that differ between the
-files (``scheduling_policy=static``, ``block_size=8``, ...), else by the file's folder or name. ``--group-by quantization,scheduling_policy`` labels lines by
-those factors only, one colour per value of the first and one line style per value of the
-second. Files written by ``vllm bench serve --save-result`` (one per concurrency) are grouped by
-their ``model_id``: one curve per model. Figures (PNG, PDF, SVG) and ``summary.csv`` (label,
-concurrency and the metrics) go to ``--out``.
+Each file is our results.jsonl or a real ``vllm bench serve --save-result`` JSON; a directory
+stands for every results.jsonl below it (a Hydra multirun folder), in natural order (job 2
+before job 10). Series are built per POINT, not per file (``research.bench.stats``): one series
+per configuration, i.e. per value of every swept axis (model, hardware, quantization, policy,
+block size, engine, ...), so a file holding two models gives two series and two configurations
+never share one. Points of one configuration at one concurrency (``experiment.repeats``, or the
+same run twice) are repeats: averaged, with a 95% bootstrap interval.
+
+Series are named by the points' own ``label`` plus the axes that differ (``block_size=8``), or by
+``--labels`` (one word per file, still completed with the axes that differ inside it), or by
+``--group-by quantization,scheduling_policy`` (those axes first, colour per value of the first,
+line style per value of the second, and any other axis that varies after them). Files written by
+``vllm bench serve --save-result`` (one per concurrency) are named by their ``model_id``.
+
+Written to ``--out`` (default ``<dir>/comparison`` for one directory, else ``comparison/``): one
+figure per metric (300-dpi PNG, PDF, SVG; error bars where there are repeats), ``summary.csv``
+(per series and concurrency: the axes, ``n``, ``<metric>_mean``, ``<metric>_ci_lo``,
+``<metric>_ci_hi``), ``table.tex`` (booktabs) and ``table.md`` with the intervals, and
+``significance.md``: for every two series that differ in one axis, whether each difference is
+outside the intervals. ``python -m experiments.table`` writes the tables only.
 
     python -m experiments.compare ours/results.jsonl hf/results.jsonl --labels ours hf \\
         --metrics output_throughput per_user_tok_s median_ttft_ms --out comparison
-    python -m experiments.compare multirun/<date>/<time> --group-by quantization,scheduling_policy
+    python -m experiments.compare multirun/<date>/<time> --group-by model,block_size
 """
 
 from __future__ import annotations
@@ -24,26 +34,18 @@ from pathlib import Path
 from typing import Any
 
 from research.bench.provenance import write_csv
-from research.bench.report import format_table, read_results
+from research.bench.report import read_results
+from research.bench.stats import (
+    SERIES_AXES,
+    latex_table,
+    markdown_table,
+    series_of,
+    significance_notes,
+    summary_rows,
+)
 
 DEFAULT_METRICS = ("output_throughput", "per_user_tok_s", "median_ttft_ms", "p99_ttft_ms")
-# Keys of a results row that name what a run varied; the differing ones complete the labels.
-FACTORS = (
-    "model",
-    "quantization",
-    "kv_cache_dtype",
-    "dtype",
-    "hardware",
-    "executor",
-    "attention_backend",
-    "gemm_backend",
-    "scheduling_policy",
-    "block_size",
-    "max_num_seqs",
-    "input_len",
-    "output_len",
-    "range_ratio",
-)
+FACTORS = SERIES_AXES  # the axes a series is keyed by (kept under its old name)
 
 
 def _natural_key(path: Path) -> list[Any]:
@@ -66,54 +68,9 @@ def expand(paths: list[Path]) -> list[Path]:
     return files
 
 
-def default_labels(files: list[Path], series: list[list[dict[str, Any]]]) -> list[str]:
-    """The points' own label plus the factors that differ between files; unique, or the file's
-    folder / name appended."""
-    base = []
-    for f, points in zip(files, series, strict=True):
-        own = {p.get("label") for p in points} - {None}
-        base.append(
-            own.pop() if len(own) == 1 else (f.parent.name if f.stem == "results" else f.stem)
-        )
-    varied = [
-        k
-        for k in FACTORS
-        if len({str(points[0].get(k)) if points else "" for points in series}) > 1
-    ]
-    labels = [
-        " ".join([b, *(f"{k}={points[0].get(k)}" for k in varied if points)])
-        for b, points in zip(base, series, strict=True)
-    ]
-    if len(set(labels)) < len(labels):
-        labels = [
-            f"{label} ({f.parent.name if f.stem == 'results' else f.stem})"
-            for label, f in zip(labels, files, strict=True)
-        ]
-    return labels
-
-
-def grouped_labels(series: list[list[dict[str, Any]]], factors: list[str]) -> list[str]:
-    """Labels made of the ``--group-by`` factors' values only."""
-    for f in factors:
-        if not any(f in p for points in series for p in points):
-            raise ValueError(f"--group-by {f}: no point has it; factors: {', '.join(FACTORS)}")
-    return [
-        " ".join(f"{f}={points[0].get(f)}" if points else f for f in factors) for points in series
-    ]
-
-
 def is_vllm_file(points: list[dict[str, Any]]) -> bool:
     """A ``vllm bench serve --save-result`` file: its points carry no label of ours."""
     return bool(points) and all("label" not in p and p.get("model_id") for p in points)
-
-
-def merge(labels: list[str], results: list[list[dict[str, Any]]]) -> dict[str, list[dict]]:
-    """One series per label: files with the same label (one vLLM file per concurrency, or one
-    group of ``--group-by``) become one curve."""
-    series: dict[str, list[dict[str, Any]]] = {}
-    for label, points in zip(labels, results, strict=True):
-        series.setdefault(label, []).extend(points)
-    return series
 
 
 def styles(labels: list[str]) -> dict[str, dict[str, Any]]:
@@ -132,68 +89,117 @@ def styles(labels: list[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> list[Path]:
+def load(files: list[Path], labels: list[str] | None) -> tuple[list[dict], list[str]]:
+    """Every point of ``files`` and its base name: its file's ``--labels`` word, its vLLM
+    ``model_id`` (vLLM files), else its own label."""
+    points, base = [], []
+    for i, f in enumerate(files):
+        pts = read_results(f)
+        vllm = is_vllm_file(pts)
+        for p in pts:
+            points.append(p)
+            if labels:
+                base.append(labels[i])
+            elif vllm:
+                base.append(str(p["model_id"]))
+            else:
+                base.append(str(p.get("label") or p.get("model") or f.parent.name))
+    return points, base
+
+
+def style_note(group_by: list[str]) -> str:
+    """What ``styles`` encodes, for the caption."""
+    parts = []
+    if group_by:
+        parts.append(f"colour: {group_by[0]}")
+    if len(group_by) > 1:
+        parts.append(f"line style: {group_by[1]}")
+    return ", ".join(parts)
+
+
+def write_tables(rows: list[dict[str, Any]], metrics: list[str], out: Path, caption: str) -> dict:
+    """summary.csv, table.md, table.tex and significance.md in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "summary": write_csv(rows, out / "summary.csv"),
+        "markdown": out / "table.md",
+        "latex": out / "table.tex",
+        "significance": out / "significance.md",
+    }
+    paths["markdown"].write_text(markdown_table(rows, metrics) + "\n")
+    paths["latex"].write_text(latex_table(rows, metrics, caption=caption, label="tab:comparison"))
+    notes = [n for m in metrics for n in significance_notes(rows, m)]
+    paths["significance"].write_text(
+        "# Differences between series that differ in one axis\n\n"
+        + ("\n".join(f"- {n}" for n in notes) if notes else "No two series differ in one axis.")
+        + "\n"
+    )
+    return paths
+
+
+def parse_args(argv: list[str] | None, tables_only: bool = False) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", type=Path)
-    parser.add_argument("--labels", nargs="+", help="one per file (default: file names)")
+    parser.add_argument("--labels", nargs="+", help="one per file (default: the points' labels)")
     parser.add_argument("--metrics", nargs="+", default=list(DEFAULT_METRICS))
-    parser.add_argument("--out", type=Path, default=Path("comparison"), help="output directory")
+    parser.add_argument("--out", type=Path, default=None, help="output directory")
     parser.add_argument(
-        "--group-by", help="comma-separated factors that label the lines (colour, then style)"
+        "--group-by", help="comma-separated axes that name the series (colour, then style)"
     )
     args = parser.parse_args(argv)
+    args.parser = parser
+    if args.out is None:
+        one_dir = len(args.files) == 1 and args.files[0].is_dir()
+        args.out = args.files[0] / "comparison" if one_dir else Path("comparison")
+    return args
+
+
+def prepare(args: argparse.Namespace) -> tuple[dict[str, list[dict]], list[dict], list[str]]:
+    """(series, summary rows, group-by axes) of the command line, or a parser error."""
+    parser = args.parser
     try:
         files = expand(args.files)
     except ValueError as e:
         parser.error(str(e))
-    results = [read_results(f) for f in files]
+    if args.labels and len(args.labels) != len(files):
+        parser.error(f"{len(files)} files but {len(args.labels)} labels")
+    if args.labels and len(set(args.labels)) != len(args.labels):
+        parser.error(f"labels must be distinct, got {args.labels}")
+    points, base = load(files, args.labels)
     group_by = [f for f in (args.group_by or "").split(",") if f]
-    try:
-        if args.labels:
-            labels = args.labels
-        elif group_by:
-            labels = grouped_labels(results, group_by)
-        else:
-            labels = default_labels(files, results)
-            vllm = [is_vllm_file(points) for points in results]
-            labels = [
-                str(points[0]["model_id"]) if v else label
-                for label, points, v in zip(labels, results, vllm, strict=True)
-            ]
-    except ValueError as e:
-        parser.error(str(e))
-    if len(labels) != len(files):
-        parser.error(f"{len(files)} files but {len(labels)} labels")
-    if args.labels and len(set(labels)) != len(labels):
-        parser.error(f"labels must be distinct, got {labels}")
     numeric = {
         k
-        for points in results
         for p in points
         for k, v in p.items()
         if isinstance(v, int | float) and not isinstance(v, bool)
     }
     if unknown := [m for m in args.metrics if m not in numeric]:
         parser.error(f"no point has the metric(s) {unknown}; known: {', '.join(sorted(numeric))}")
+    try:
+        series = series_of(points, group_by, None if group_by else base)
+    except ValueError as e:
+        parser.error(str(e))
+    return series, summary_rows(series, args.metrics), group_by
 
-    from research.bench.plots import plot_comparison
 
-    series = merge(labels, results)
-    rows = [
-        {**p, "label": label}
-        for label, points in series.items()
-        for p in sorted(points, key=lambda p: p.get("max_concurrency") or 0)
-    ]
-    columns = ("label", "max_concurrency", *args.metrics)
-    print(format_table(rows, columns))
-    args.out.mkdir(parents=True, exist_ok=True)
+def main(argv: list[str] | None = None) -> list[Path]:
+    from research.bench.plots import caption, plot_comparison
+    from research.bench.stats import markdown_table as md
+
+    args = parse_args(argv)
+    series, rows, group_by = prepare(args)
+    print(md(rows, args.metrics))
     line_styles = styles(list(series)) if group_by else None
+    note = style_note(group_by)
     paths = [
-        plot_comparison(series, m, args.out / f"{m}.png", styles=line_styles) for m in args.metrics
+        plot_comparison(series, m, args.out / f"{m}.png", styles=line_styles, style_note=note)
+        for m in args.metrics
     ]
-    summary = write_csv([{k: r.get(k) for k in columns} for r in rows], args.out / "summary.csv")
+    tables = write_tables(rows, args.metrics, args.out, caption(series, "", (), note))
     print("plots:", ", ".join(map(str, paths)))
-    print("summary:", summary)
+    print("summary:", tables["summary"])
+    print("tables:", tables["latex"], tables["markdown"])
+    print("significance:", tables["significance"])
     return paths
 
 

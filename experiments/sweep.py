@@ -80,15 +80,19 @@ def _delta(after: dict[str, Any], before: dict[str, Any], key: str) -> float:
 
 
 def run_point(
-    run: RunConfig, backend: Backend, concurrency: int, progress: bool = True
+    run: RunConfig, backend: Backend, concurrency: int, progress: bool = True, repeat: int = 0
 ) -> dict[str, Any]:
-    """Warm up, then benchmark ``prompts_per_concurrency * concurrency`` requests."""
+    """Warm up (first repeat only), then benchmark ``prompts_per_concurrency * concurrency``
+    requests drawn with the point's seed. A simulated backend starts the point from a fresh
+    engine seeded by it (``reset``): the figure depends on the point alone."""
     w, e = run.workload, run.experiment
-    # The same seed gives the same prompts to every backend at a given concurrency.
-    seed = point_seeds(run, concurrency)["prompts"]
-    if e.warmup:
+    # The same seed gives the same prompts to every backend at a given concurrency and repeat.
+    seed = point_seeds(run, concurrency, repeat)["prompts"]
+    if e.warmup and repeat == 0:
         n_warmup = e.warmup_prompts_per_concurrency * concurrency
         backend.run(_requests(run, backend, n_warmup, seed + 7), concurrency, False)
+    if (reset := getattr(backend, "reset", None)) is not None:
+        reset(seed)
     requests = _requests(run, backend, e.prompts_per_concurrency * concurrency, seed)
     precompiled = 0
     if (precompile := getattr(backend, "precompile", None)) is not None:
@@ -127,7 +131,12 @@ def run_point(
         "output_len": w.output_len,
         "range_ratio": w.range_ratio,
         "experiment": e.name,
+        "tensor_parallel_size": run.hardware.tensor_parallel_size,
+        "num_replicas": run.hardware.num_replicas,
+        "repeat": repeat,
     }
+    if run.executor.kind == "simulated":
+        extra["moe_routing"] = run.hardware.moe_routing
     cost_model = getattr(getattr(backend, "engine", None), "executor", None)
     cost_model = getattr(cost_model, "cost_model", None)
     if cost_model is not None:  # simulated: the term that binds a decode step at this point
@@ -194,14 +203,16 @@ def _band_executor(run: RunConfig, backend: Backend) -> Any:
     return backend.engine.executor
 
 
-def point_seeds(run: RunConfig, concurrency: int) -> dict[str, int]:
+def point_seeds(run: RunConfig, concurrency: int, repeat: int = 0) -> dict[str, int]:
     """The seeds a point ran with: the model's (init, sampling), the workload's and the one its
-    prompts were drawn from (``run_point``)."""
+    prompts (and a simulated engine's draws) come from (``run_point``): a function of the
+    workload seed, the concurrency and the repeat only."""
     w = run.workload
     return {
         "model": run.model.seed,
         "workload": w.seed,
-        "prompts": w.seed * 1_000_003 + concurrency,
+        "prompts": w.seed * 1_000_003 + concurrency + 7919 * repeat,
+        "repeat": repeat,
     }
 
 
@@ -266,7 +277,8 @@ def run_experiment(
     )
     paths: list[Any] = []
     points = []
-    total = len(models) * len(run.experiment.concurrencies)
+    repeats = run.experiment.repeats
+    total = len(models) * len(run.experiment.concurrencies) * repeats
     try:
         for model in models:
             model_run = dataclasses.replace(run, model=dataclasses.replace(run.model, model=model))
@@ -278,15 +290,16 @@ def run_experiment(
             capacity = kv_capacity_line(model_run, backend)
             if capacity:
                 log.info(f"  {capacity}")
-            for c in run.experiment.concurrencies:
+            for c, repeat in ((c, r) for c in run.experiment.concurrencies for r in range(repeats)):
                 t = time.perf_counter()
-                point = run_point(model_run, backend, c, progress)
-                point |= provenance(config, point_seeds(model_run, c))
+                point = run_point(model_run, backend, c, progress, repeat)
+                point |= provenance(config, point_seeds(model_run, c, repeat))
                 append_result(results, point)
                 tracker.log_point(point)
                 points.append(point)
+                rep = f" repeat {repeat + 1}/{repeats}" if repeats > 1 else ""
                 log.info(
-                    f"  [{len(points)}/{total}] concurrency {c:>4}: "
+                    f"  [{len(points)}/{total}] concurrency {c:>4}{rep}: "
                     f"{point['output_throughput']:8.1f} output tok/s, "
                     f"{_fmt(point.get('per_user_tok_s'))} tok/s per user, median TTFT "
                     f"{point['median_ttft_ms']:.0f} ms ({time.perf_counter() - t:.1f} s)"

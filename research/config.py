@@ -406,8 +406,13 @@ class ExperimentConfig:
     slo_tpot_ms: float | None = None
     slo_e2el_ms: float | None = None
     prediction_band: bool = False  # simulated: rerun under research.perf.bands' variants
+    # Runs of every point (new prompts each: seed from the repeat), averaged with a 95%
+    # bootstrap interval by experiments.compare / research.bench.stats.
+    repeats: int = 1
 
     def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if not self.concurrencies or min(self.concurrencies) < 1:
             raise ValueError(f"concurrencies must be >= 1, got {self.concurrencies}")
         if self.prompts_per_concurrency < 1 or self.warmup_prompts_per_concurrency < 1:

@@ -22,6 +22,7 @@ axis (1000 / median TPOT).
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ FLOOR_NAMES = ("comfortable", "minimum")
 FORMATS = (".pdf", ".svg")  # written beside every PNG
 DPI = 300
 WIDTH_IN = 7.0  # a two-column page's text width; one panel is half of it
+CAPTION_FONTSIZE = 6
 
 METRIC_LABELS = {
     "output_throughput": "aggregate output tok/s",
@@ -75,13 +77,25 @@ def _as_series(data: PointsOrSeries) -> dict[str, list[Point]]:
 
 
 def _curve(points: Sequence[Point], metric: str) -> tuple[list[int], list[float]]:
-    """(concurrency, metric) pairs sorted by concurrency; points lacking either are skipped."""
-    pairs = sorted(
-        (c, float(p[metric]))
-        for p in points
-        if (c := concurrency(p)) is not None and p.get(metric) is not None
-    )
-    return [c for c, _ in pairs], [v for _, v in pairs]
+    """(concurrency, mean of ``metric``) sorted by concurrency, repeats averaged; points lacking
+    either are skipped."""
+    xs, ys, _ = _curve_ci(points, metric)
+    return xs, ys
+
+
+def _curve_ci(
+    points: Sequence[Point], metric: str
+) -> tuple[list[int], list[float], list[tuple[float, float]]]:
+    """``_curve`` plus each point's 95% bootstrap interval over its repeats ((nan, nan) for
+    one run: ``research.bench.stats.bootstrap_ci``)."""
+    from research.bench.stats import bootstrap_ci
+
+    by_c: dict[int, list[float]] = {}
+    for p in points:
+        if (c := concurrency(p)) is not None and p.get(metric) is not None:
+            by_c.setdefault(c, []).append(float(p[metric]))
+    xs = sorted(by_c)
+    return xs, [sum(by_c[c]) / len(by_c[c]) for c in xs], [bootstrap_ci(by_c[c]) for c in xs]
 
 
 def _setup_x(ax: Any) -> None:
@@ -116,8 +130,16 @@ def _is_simulated(points: Sequence[Point]) -> bool:
     return any(str(p.get("executor", "")).startswith("simulated") for p in points)
 
 
-def caption(series: Mapping[str, Sequence[Point]], shared: str = "") -> str:
-    """Workload, machine and executor of the points (and what every line shares)."""
+def caption(
+    series: Mapping[str, Sequence[Point]],
+    shared: str = "",
+    axes: Sequence[Any] = (),
+    style_note: str = "",
+) -> str:
+    """Workload, machine and executor of the points (and what every line shares), then what the
+    drawn styles mean, read back from the lines on ``axes`` so the caption cannot claim a style
+    the figure does not use: dashed lines are called simulated only if every simulated line is
+    dashed and no measured one is; error bars are named with their interval."""
     points = [p for pts in series.values() for p in pts]
 
     def values(key: str) -> str:
@@ -133,9 +155,31 @@ def caption(series: Mapping[str, Sequence[Point]], shared: str = "") -> str:
     for key, name in (("hardware", "machine"), ("executor", "executor"), ("dtype", "dtype")):
         if value := values(key):
             parts.append(f"{name}: {value}")
-    if any(_is_simulated(pts) for pts in series.values()):
-        parts.append("dashed: simulated (cost model), not measured")
+    if style_note:
+        parts.append(style_note)
+    lines = [ln for ax in axes for ln in ax.get_lines() if hasattr(ln, "simulated")]
+    simulated = [ln for ln in lines if ln.simulated]
+    if simulated:
+        dashed_sim = all(ln.get_linestyle() == "--" for ln in simulated)
+        dashed_real = any(ln.get_linestyle() == "--" for ln in lines if not ln.simulated)
+        if dashed_sim and not dashed_real:
+            parts.append("dashed: simulated (cost model), not measured")
+        else:
+            parts.append("(simulated): cost model, not measured")
+    if any(getattr(ln, "has_error_bars", False) for ln in lines):
+        reps = sorted({n for pts in series.values() for n in _repeat_counts(pts)} - {1})
+        parts.append(
+            f"lines: mean of {'/'.join(map(str, reps))} runs; error bars: 95% bootstrap CI"
+        )
     return "; ".join(parts)
+
+
+def _repeat_counts(points: Sequence[Point]) -> list[int]:
+    counts: dict[int, int] = {}
+    for p in points:
+        if (c := concurrency(p)) is not None:
+            counts[c] = counts.get(c, 0) + 1
+    return list(counts.values())
 
 
 def _published(points: Sequence[Point]) -> list[tuple[str, float]]:
@@ -159,15 +203,28 @@ def _plot_series(
     scale: float = 1.0,
     **style: Any,
 ) -> list[float]:
+    """One line per series (the mean over repeats), with 95% bootstrap error bars where a
+    point has repeats; simulated series are dashed unless ``style`` sets the line style."""
     values: list[float] = []
     for label, points in series.items():
-        xs, ys = _curve(points, metric)
+        xs, ys, cis = _curve_ci(points, metric)
         ys = [y * scale for y in ys]
         values += ys
         simulated = _is_simulated(points)
         name = names[label] + (" (simulated)" if simulated else "")
-        style = {"linestyle": "--" if simulated else "-"} | style
-        ax.plot(xs, ys, marker="o", markersize=3, label=name, **style)
+        line_style = {"linestyle": "--" if simulated else "-"} | style
+        (line,) = ax.plot(xs, ys, marker="o", markersize=3, label=name, **line_style)
+        line.simulated = simulated  # what the caption reads back (``caption``)
+        bars = [(x, y, lo * scale, hi * scale) for x, y, (lo, hi) in zip(xs, ys, cis, strict=True)
+                if math.isfinite(lo)]  # fmt: skip
+        if bars:
+            bx, by, lo, hi = (list(v) for v in zip(*bars, strict=True))
+            err = [[y - lo_ for y, lo_ in zip(by, lo, strict=True)],
+                   [hi_ - y for y, hi_ in zip(by, hi, strict=True)]]  # fmt: skip
+            ax.errorbar(bx, by, yerr=err, fmt="none", ecolor=line.get_color(), elinewidth=0.8,
+                        capsize=2)  # fmt: skip
+            values += lo + hi
+            line.has_error_bars = True
     return values
 
 
@@ -180,10 +237,15 @@ def _y_axis(ax: Any, values: Sequence[float], log_y: bool | None) -> None:
         ax.set_ylim(bottom=0)
 
 
-def _finish(fig: Figure, series: Mapping[str, Sequence[Point]], shared: str) -> None:
-    text = caption(series, shared)
+def _finish(
+    fig: Figure, series: Mapping[str, Sequence[Point]], shared: str, style_note: str = ""
+) -> None:
+    """The caption under the axes, wrapped to the figure's width, as the figure's x super-label:
+    the constrained layout makes room for it, so it overlaps no axis label."""
+    text = caption(series, shared, fig.axes, style_note)
     if text:
-        fig.text(0.5, 0.0, text, ha="center", va="bottom", fontsize=6, wrap=True)
+        chars = int(fig.get_figwidth() * 72 / (CAPTION_FONTSIZE * 0.55))
+        fig.supxlabel(textwrap.fill(text, chars), fontsize=CAPTION_FONTSIZE)
 
 
 def plot_concurrency_curves(
@@ -249,6 +311,7 @@ def ttft_figure(data: PointsOrSeries) -> Figure:
             markersize=3,
             label=f"{names[label]}{simulated} median",
         )
+        line.simulated = bool(simulated)
         xs, ys = _curve(points, "p99_ttft_ms")
         ax.plot(
             xs,
@@ -264,7 +327,7 @@ def ttft_figure(data: PointsOrSeries) -> Figure:
     ax.set_ylabel("TTFT (s)", fontsize=7)
     ax.tick_params(labelsize=6)
     ax.legend(fontsize=5)
-    _finish(fig, series, shared)
+    _finish(fig, series, shared, "solid: median, dotted: p99")
     return fig
 
 
@@ -274,10 +337,12 @@ def plot_comparison(
     path: str | Path,
     log_y: bool | None = None,
     styles: Mapping[str, Mapping[str, Any]] | None = None,
+    style_note: str = "",
 ) -> Path:
     """One line per label of ``metric`` against concurrency (block sizes, formats, engines...);
-    TTFT metrics in seconds on a log axis; ``styles``: matplotlib line styles per label."""
-    return _save(comparison_figure(series, metric, log_y, styles), path)
+    TTFT metrics in seconds on a log axis; ``styles``: matplotlib line styles per label, and
+    ``style_note`` what they encode (for the caption)."""
+    return _save(comparison_figure(series, metric, log_y, styles, style_note), path)
 
 
 def comparison_figure(
@@ -285,6 +350,7 @@ def comparison_figure(
     metric: str,
     log_y: bool | None = None,
     styles: Mapping[str, Mapping[str, Any]] | None = None,
+    style_note: str = "",
 ) -> Figure:
     series = _as_series(series)
     names, shared = _short_labels(list(series))
@@ -308,7 +374,7 @@ def comparison_figure(
     ax.tick_params(labelsize=6)
     _y_axis(ax, values, True if is_ttft else log_y)
     ax.legend(fontsize=5)
-    _finish(fig, series, shared)
+    _finish(fig, series, shared, style_note)
     return fig
 
 

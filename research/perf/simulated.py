@@ -88,6 +88,10 @@ class SimulatedExecutor:
         # prediction band re-prices a closed-loop run from it (``research.perf.bands``).
         self.step_log: list[tuple[float, float, StepShape]] | None = None
 
+    def reseed(self, seed: int) -> None:
+        """Start the acceptance draws from ``seed`` (what a benchmark point does first)."""
+        self._rng = random.Random(seed)
+
     def execute(self, plan: Any) -> StepResult:
         t0 = time.perf_counter()
         shape = step_shape_from_plan(plan)
