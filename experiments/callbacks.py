@@ -40,3 +40,29 @@ class CompareOnMultirunEnd(Callback):
             log.warning("the multirun's comparison failed (%s); results are in %s", exit_, sweep)
             return
         log.info("comparison of the multirun: %s", sweep / "comparison")
+        self._log_to_wandb(config, sweep, argv)
+
+    def _log_to_wandb(self, config: DictConfig, sweep: Path, argv: list[str]) -> None:
+        """The comparison as a W&B run of the sweep's group (``job_type="comparison"``)."""
+        from experiments.compare import parse_args, prepare
+        from research.tracking import log_comparison
+
+        tracking = config.get("tracking") or {}
+        mode = tracking.get("wandb_mode", "offline")
+        if mode == "disabled":
+            return
+        args = parse_args(argv)
+        series, rows, _ = prepare(args)
+        name = config.get("experiment", {}).get("name", "sweep")
+        stamp = "-".join(sweep.parts[-2:])
+        run_dir = log_comparison(
+            sweep / "comparison",
+            series,
+            rows,
+            args.metrics,
+            mode=mode,
+            project=tracking.get("project", "research-serving"),
+            group=f"{name}/{stamp}",
+            name=f"{name} comparison",
+        )
+        log.info("W&B (%s) comparison run: %s", mode, run_dir)

@@ -12,6 +12,8 @@ directory (``output_dir=PATH`` overrides it).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -33,11 +35,32 @@ def model_override(run: RunConfig, overrides: list[str]) -> RunConfig:
     return run
 
 
+# Overrides that say where things go or how they are logged, not what was run.
+NOT_SWEPT = ("output_dir", "hydra", "tracking", "experiment")
+
+
 def job_name(run: RunConfig, overrides: list[str]) -> str:
-    """The W&B run name: the experiment and the overrides that made this job (output paths
-    left out), so the jobs of a multirun are told apart."""
-    shown = [o for o in overrides if not o.split("=", 1)[0].startswith(("output_dir", "hydra"))]
-    return "-".join([run.experiment.name, *shown])[:128]
+    """The W&B run name: the experiment, then the values this job was given, each by its last
+    key (``cache.block_size=8`` -> ``block_size=8``); paths, tracking and the experiment
+    choice itself left out, so the jobs of a multirun read as what they swept."""
+    shown = []
+    for o in overrides:
+        key, _, value = o.lstrip("+~").partition("=")
+        if key.split(".", 1)[0] in NOT_SWEPT and key != "experiment.concurrencies":
+            continue
+        shown.append(f"{key.rsplit('.', 1)[-1]}={value}")
+    return " ".join([run.experiment.name, *shown])
+
+
+def sweep_group(run: RunConfig, hydra_cfg: Any) -> tuple[str, str]:
+    """(W&B group, job type): the group is the experiment and the time stamp of the sweep
+    (multirun) or of the run, so two sweeps never share a group; the job type says the role."""
+    from hydra.types import RunMode
+
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    folder = Path(hydra_cfg.sweep.dir if multirun else hydra_cfg.runtime.output_dir)
+    stamp = "-".join(folder.parts[-2:])
+    return f"{run.experiment.name}/{stamp}", "multirun-job" if multirun else "run"
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
@@ -52,7 +75,8 @@ def main(cfg: DictConfig) -> None:
 
         request_host_devices(run.hardware.tensor_parallel_size)  # before JAX starts
     out_dir = run.output_dir or HydraConfig.get().runtime.output_dir
-    run_experiment(run, out_dir, job_name=job_name(run, overrides))
+    group, job_type = sweep_group(run, HydraConfig.get())
+    run_experiment(run, out_dir, job_name=job_name(run, overrides), group=group, job_type=job_type)
 
 
 if __name__ == "__main__":

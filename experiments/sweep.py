@@ -244,10 +244,16 @@ def kv_capacity_line(run: RunConfig, backend: Backend) -> str | None:
 
 
 def run_experiment(
-    run: RunConfig, out_dir: str | Path, progress: bool = True, job_name: str | None = None
+    run: RunConfig,
+    out_dir: str | Path,
+    progress: bool = True,
+    job_name: str | None = None,
+    group: str | None = None,
+    job_type: str = "run",
 ) -> list[dict]:
     """The whole sweep: results.jsonl, plots and the W&B run land in ``out_dir``. ``job_name``
-    names the W&B run (``experiments.run`` passes the job's overrides).
+    names the W&B run (``experiments.run`` passes the job's swept values), ``group`` and
+    ``job_type`` place it (``experiments.run.sweep_group``).
     ``experiment=validate_host`` runs ``experiments.validate_host`` instead."""
     if run.experiment.name == "validate_host":
         from experiments.validate_host import validate_host
@@ -263,8 +269,9 @@ def run_experiment(
         config,
         mode=run.tracking.wandb_mode,
         project=run.tracking.project,
-        name=job_name or f"{run.experiment.name}-{'-'.join(models)}",
-        group=run.experiment.name,
+        name=job_name or " ".join([run.experiment.name, *models]),
+        group=group or run.experiment.name,
+        job_type=job_type,
         tags=(
             run.experiment.name,
             *models,

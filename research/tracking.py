@@ -9,10 +9,13 @@ caller into the run directory whatever W&B does; this module logs the same rows 
   carries its text fields (label, executor, model) so the W&B table can be grouped by them;
 - the curves are native W&B line plots with one line per series (``line_series``: one per
   label, i.e. per model and engine), never one zig-zag across models;
-- the summary holds a headline per series (peak output tok/s and the concurrency it was
-  reached at, per-user tok/s at the lowest and highest concurrency);
-- group (the experiment), tags and job type come from the experiment, the job name from the
-  overrides that made it (multirun jobs get distinct names);
+- the summary is set explicitly, never "the last row logged": a headline per series (peak
+  output tok/s, the concurrency it was reached at, per-user tok/s at the lowest and highest
+  concurrency), repeats averaged;
+- the run name is made of the swept values (``experiments.run.job_name``), the group is the
+  sweep (experiment and the sweep's time stamp: two sweeps never share one), ``job_type`` the
+  role (``run``, ``multirun-job``, ``comparison``); ``log_comparison`` adds the comparison of a
+  multirun to its group: one panel per metric, a line per series, and the summary table;
 - results.jsonl, results.csv and the figures are logged as one artifact.
 """
 
@@ -71,7 +74,9 @@ class Tracker:
             settings=wandb.Settings(console="off", x_disable_stats=True),
         )
         self.run.define_metric(X_AXIS)
-        self.run.define_metric("*", step_metric=X_AXIS)
+        # No automatic summary (it would be whichever row was logged last): ``finish`` sets
+        # the headline explicitly.
+        self.run.define_metric("*", step_metric=X_AXIS, summary="none")
         self.run_dir = Path(self.run.dir).parent
 
     def log_point(self, point: Mapping[str, Any]) -> None:
@@ -108,14 +113,14 @@ class Tracker:
         self.run.log(media)
 
     def series(self, metric: str) -> dict[str, list[tuple[float, float]]]:
-        """label -> [(max_concurrency, metric)] sorted by concurrency, for swept points."""
-        out: dict[str, list[tuple[float, float]]] = {}
+        """label -> [(max_concurrency, mean of metric over repeats)] sorted by concurrency."""
+        out: dict[str, dict[float, list[float]]] = {}
         for p in self.points:
             x, y = p.get(X_AXIS), p.get(metric)
             if x is None or y is None or not math.isfinite(y):
                 continue
-            out.setdefault(str(p.get("label") or p.get("model")), []).append((x, y))
-        return {k: sorted(v) for k, v in out.items()}
+            out.setdefault(str(p.get("label") or p.get("model")), {}).setdefault(x, []).append(y)
+        return {k: sorted((x, sum(v) / len(v)) for x, v in by_x.items()) for k, by_x in out.items()}
 
     def headline(self) -> dict[str, float]:
         """Per series: peak output tok/s and where, per-user tok/s at both ends of the sweep."""
@@ -152,3 +157,56 @@ class Tracker:
             self.run.summary.update(self.headline())
             self.run.finish()
             self.run = None
+
+
+def log_comparison(
+    out_dir: str | Path,
+    series: Mapping[str, Sequence[Mapping[str, Any]]],
+    rows: Sequence[Mapping[str, Any]],
+    metrics: Sequence[str],
+    *,
+    mode: str = "offline",
+    project: str = "research-serving",
+    group: str | None = None,
+    name: str | None = None,
+) -> Path | None:
+    """A W&B run (``job_type="comparison"``) holding a comparison: one line plot per metric
+    with a line per series (means over repeats) and the summary rows (with their intervals) as
+    a table. Returns the run's directory (None when disabled)."""
+    if mode == "disabled":
+        return None
+    import wandb
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    run = wandb.init(
+        project=project,
+        name=name or f"{group or 'comparison'} comparison",
+        group=group,
+        job_type="comparison",
+        dir=str(out_dir),
+        mode=mode,
+        settings=wandb.Settings(console="off", x_disable_stats=True),
+    )
+    media: dict[str, Any] = {}
+    for metric in metrics:
+        xs, ys, keys = [], [], []
+        for label in series:
+            pts = [r for r in rows if r["label"] == label and math.isfinite(r[f"{metric}_mean"])]
+            if pts:
+                xs.append([r["max_concurrency"] for r in pts])
+                ys.append([r[f"{metric}_mean"] for r in pts])
+                keys.append(label)
+        if keys:
+            media[f"comparison/{metric}"] = wandb.plot.line_series(
+                xs=xs, ys=ys, keys=keys, title=f"{metric} vs concurrency", xname=X_AXIS
+            )
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    media["comparison/summary"] = wandb.Table(
+        columns=columns, data=[[r.get(c) for c in columns] for r in rows]
+    )
+    run.log(media)
+    run.summary.update({"series": len(series), "points": sum(len(v) for v in series.values())})
+    run_dir = Path(run.dir).parent
+    run.finish()
+    return run_dir
