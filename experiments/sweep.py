@@ -136,7 +136,11 @@ def run_point(
         "repeat": repeat,
     }
     if run.executor.kind == "simulated":
+        from research.perf.calibration import calibration_of
+
         extra["moe_routing"] = run.hardware.moe_routing
+        # The machine the cost model's efficiencies were fitted on (not always this one).
+        extra["calibration"] = calibration_of(run.hardware.name)
     cost_model = getattr(getattr(backend, "engine", None), "executor", None)
     cost_model = getattr(cost_model, "cost_model", None)
     if cost_model is not None:  # simulated: the term that binds a decode step at this point

@@ -363,3 +363,20 @@ def test_speculation_gain_falls_once_compute_binds_and_crosses_below_one():
         tokens_per_step(4, 1.5)
     with pytest.raises(ValueError, match="concurrency"):
         speculation_points(cm, 4, 0.5, [0])
+
+
+def test_a_machine_without_its_own_calibration_says_whose_it_uses():
+    """hardware=h200 prices with GB10's fitted efficiencies: a warning says so (once per
+    machine), and calibration_of names the machine the parameters come from."""
+    from research.perf import calibration
+
+    calibration._warn_borrowed.cache_clear()
+    with pytest.warns(UserWarning, match="'h200' has no calibration of its own"):
+        CostModel("llama-3.3-70b", "awq", "h200")
+    assert calibration.calibration_of("h200") == "gb10"
+    assert calibration.calibration_of("gb10") == "gb10"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CostModel("llama-3.3-70b", "awq", "gb10")  # its own: no warning

@@ -186,3 +186,18 @@ def test_cli_as_a_module(tmp_path):
         check=True,
     )
     assert "| m | 15 | 48.0 | 23.1% | 148 |" in run.stdout and not run.stderr
+
+
+def test_cli_takes_a_run_directory(tmp_path, capsys):
+    """A run (or multirun) folder stands for the results.jsonl files below it; a folder with
+    none is a clear error, not IsADirectoryError."""
+    run = tmp_path / "outputs" / "run"
+    run.mkdir(parents=True)
+    lines = [{"model": "moe", "max_concurrency": c, "per_user_tok_s": v} for c, v in CURVE]
+    (run / "results.jsonl").write_text("".join(json.dumps(p) + "\n" for p in lines))
+    assert main([str(tmp_path / "outputs"), "--floor", "15"]) == 0
+    assert "| moe | 15 | 48.0 |" in capsys.readouterr().out
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "empty")])
+    assert "no results.jsonl below it" in capsys.readouterr().err

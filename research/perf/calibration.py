@@ -30,7 +30,9 @@ assumption, not a fit. Pure Python (scipy for the least squares); JAX is not imp
 from __future__ import annotations
 
 import functools
+import logging
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -175,11 +177,34 @@ def _calibrated() -> dict[str, CostParams]:
     return {"gb10": fit_calibration(CALIBRATION_POINTS)}
 
 
+def calibration_of(hardware: str | Hardware) -> str:
+    """The machine whose measurements ``hardware``'s cost-model parameters were fitted on: its
+    own name, or ``"gb10"`` where it has no calibration of its own."""
+    name = get_hardware(hardware).name
+    return name if name in _calibrated() else "gb10"
+
+
+@functools.cache
+def _warn_borrowed(name: str) -> None:
+    message = (
+        f"hardware {name!r} has no calibration of its own: its cost model uses the efficiencies "
+        "and host overheads fitted on GB10 measurements (research/perf/calibration.py). Its "
+        "peaks are its own, but every efficiency is GB10's: treat its figures as a GB10-shaped "
+        "extrapolation, not a prediction for that machine"
+    )
+    warnings.warn(message, stacklevel=3)
+    logging.getLogger(__name__).warning(message)
+
+
 def params_for(hardware: str | Hardware) -> CostParams:
     """The calibration of ``hardware``, or GB10's where the machine has none (an assumption:
-    efficiencies and overheads carried over, not fitted to that machine)."""
+    efficiencies and overheads carried over, not fitted to that machine; said once per machine
+    as a warning, and in every results row as ``calibration``)."""
     calibrated = _calibrated()
-    return calibrated.get(get_hardware(hardware).name, calibrated["gb10"])
+    name = get_hardware(hardware).name
+    if name not in calibrated:
+        _warn_borrowed(name)
+    return calibrated.get(name, calibrated["gb10"])
 
 
 def predict_single_stream(

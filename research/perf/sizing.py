@@ -22,7 +22,10 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from research.bench.stats import SERIES_AXES
 
 POISSON_P99_Z = 2.33  # one-sided 99th percentile of the normal approximation to Poisson
 
@@ -168,7 +171,9 @@ def size_users(
 # ------------------------------------------------------------------------------------------ CLI
 
 # Keys that tell one curve from another in a results file, when present.
-GROUP_KEYS = ("model", "quantization", "hardware", "executor", "scheduling_policy", "block_size")
+# Every swept axis (research.bench.stats.SERIES_AXES), so two configurations never share a
+# curve; the request rate is the load shape, not a configuration.
+GROUP_KEYS = tuple(a for a in SERIES_AXES if a != "request_rate")
 
 
 def curve_from_points(points: Sequence[Mapping[str, Any]]) -> list[tuple[float, float]]:
@@ -206,12 +211,34 @@ def format_sizing_table(rows: Sequence[tuple[str, SizingResult]]) -> str:
     return "\n".join(lines)
 
 
+def result_files(paths: Sequence[str | Path]) -> list[Path]:
+    """Files as given; a directory (a run or a multirun folder) stands for every results.jsonl
+    below it."""
+    files: list[Path] = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            found = sorted(path.rglob("results.jsonl"))
+            if not found:
+                raise ValueError(f"{path} is a directory with no results.jsonl below it")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise ValueError(f"{path} does not exist")
+    return files
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m research.perf.sizing",
         description="Streams and users per speed floor from measured concurrency curves.",
     )
-    parser.add_argument("results", nargs="+", help="results.jsonl or vLLM --save-result JSON")
+    parser.add_argument(
+        "results",
+        nargs="+",
+        help="results.jsonl, vLLM --save-result JSON, or a run / sweep directory (every "
+        "results.jsonl below it)",
+    )
     parser.add_argument(
         "--floor",
         type=float,
@@ -226,7 +253,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from research.bench.report import read_results
 
-    points = [p for path in args.results for p in read_results(path)]
+    try:
+        files = result_files(args.results)
+    except ValueError as e:
+        parser.error(str(e))
+    points = [p for path in files for p in read_results(path)]
     floors = args.floor or [15.0, 10.0]
     rows = []
     for label, group in group_points(points).items():
