@@ -239,3 +239,29 @@ def test_figures_have_captions_true_to_their_styles_and_no_overlapping_text(repe
         assert not _overlaps(f), _overlaps(f)
     assert "dotted: p99" in ttft_figure(series)._supxlabel.get_text().replace("\n", " ")
     json.dumps([p["max_concurrency"] for p in points])
+
+
+def test_prediction_bands_figure_is_paper_grade(tmp_path):
+    """300-dpi PNG with PDF and SVG beside it, TTFT on a log axis, a caption that says what the
+    line and the band are, and no overlapping text."""
+    from matplotlib.image import imread
+
+    from research.perf.bands import plot_prediction_bands, prediction_bands_figure
+
+    points = []
+    for model, scale in (("qwen3-coder-30b-a3b", 10.0), ("llama-3.3-70b", 1.0)):
+        for c in (1, 8, 64, 256):
+            p = {"label": f"simulated-gb10 {model} awq", "max_concurrency": c,
+                 "output_throughput": scale * 6 * c ** 0.7, "per_user_tok_s": scale * 6 / c ** 0.3,
+                 "median_ttft_ms": 40.0 * c, "executor": "simulated-gb10", "hardware": "gb10"}  # fmt: skip
+            for m in ("output_throughput", "per_user_tok_s", "median_ttft_ms"):
+                p[f"band_{m}_lo"], p[f"band_{m}_hi"] = 0.8 * p[m], 1.2 * p[m]
+            points.append(p)
+    path = plot_prediction_bands(points, tmp_path / "prediction_bands.png")
+    assert path.with_suffix(".pdf").exists() and path.with_suffix(".svg").exists()
+    assert imread(path).shape[1] == 7 * 300  # 7 in at 300 dpi
+    fig = prediction_bands_figure(points)
+    assert [ax.get_yscale() for ax in fig.axes] == ["log", "log", "log"]  # each spans decades
+    text = fig._supxlabel.get_text().replace("\n", " ")
+    assert "solid line: prediction" in text and "shaded band" in text
+    assert not _overlaps(fig), _overlaps(fig)

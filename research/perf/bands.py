@@ -158,38 +158,57 @@ def band_keys(
 
 
 def plot_prediction_bands(points: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
+    """``prediction_bands_figure`` as a 300-dpi PNG with PDF and SVG beside it."""
+    from research.bench import plots
+
+    return plots._save(prediction_bands_figure(points), path)
+
+
+def prediction_bands_figure(points: Sequence[Mapping[str, Any]]) -> Any:
     """Aggregate output tok/s, per-user tok/s and median TTFT against concurrency, one line per
-    label with its band shaded."""
+    label with its band shaded, log axes where the values span more than a decade, the caption
+    under the panels (``research.bench.plots``)."""
     from matplotlib.figure import Figure
 
+    from research.bench import plots
+
     metrics = ("output_throughput", "per_user_tok_s", "median_ttft_ms")
-    fig = Figure(figsize=(15, 4.5))
+    fig = Figure(figsize=(plots.WIDTH_IN, 2.6), layout="constrained")
     axes = fig.subplots(1, len(metrics))
     series: dict[str, list[Mapping[str, Any]]] = {}
     for p in points:
         if p.get("max_concurrency") is not None:
             series.setdefault(str(p.get("label") or p.get("model")), []).append(p)
+    names, shared = plots._short_labels(list(series))
     for ax, metric in zip(axes, metrics, strict=True):
+        scale = 1e-3 if metric == "median_ttft_ms" else 1.0
+        values: list[float] = []
         for label, pts in series.items():
             pts = sorted(pts, key=lambda p: p["max_concurrency"])
             xs = [p["max_concurrency"] for p in pts]
-            (line,) = ax.plot(xs, [p[metric] for p in pts], marker="o", label=label)
-            lo = [p.get(f"band_{metric}_lo", p[metric]) for p in pts]
-            hi = [p.get(f"band_{metric}_hi", p[metric]) for p in pts]
-            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency")
-        ax.set_title(metric.replace("_", " "))
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(
-        "predictions (line: central assumptions; band: optimistic to pessimistic corners, "
-        "widened by the 5-95% error on public GB10 measurements)"
+            ys = [p[metric] * scale for p in pts]
+            (line,) = ax.plot(xs, ys, marker="o", markersize=3, label=names[label])
+            lo = [p.get(f"band_{metric}_lo", p[metric]) * scale for p in pts]
+            hi = [p.get(f"band_{metric}_hi", p[metric]) * scale for p in pts]
+            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
+            values += ys + lo + hi
+        plots._setup_x(ax)
+        label = plots.METRIC_LABELS[metric]
+        ax.set_ylabel(label.replace("(ms)", "(s)") if scale != 1.0 else label, fontsize=7)
+        ax.tick_params(labelsize=6)
+        plots._y_axis(ax, values, True if metric == "median_ttft_ms" else None)
+    axes[0].legend(fontsize=5)
+    text = plots.caption(series, shared)
+    text += (
+        "; solid line: prediction under the central assumptions; shaded band: optimistic to "
+        "pessimistic corners (routing law, host time), widened by the 5-95% error on public GB10 "
+        "measurements (research/perf/data/validation_errors.json)"
     )
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    return path
+    import textwrap
+
+    chars = int(fig.get_figwidth() * 72 / (plots.CAPTION_FONTSIZE * 0.55))
+    fig.supxlabel(textwrap.fill(text, chars), fontsize=plots.CAPTION_FONTSIZE)
+    return fig
 
 
 __all__ = [
@@ -197,6 +216,7 @@ __all__ = [
     "band_keys",
     "band_variants",
     "plot_prediction_bands",
+    "prediction_bands_figure",
     "retime",
     "validation_errors",
     "widen",
