@@ -39,7 +39,7 @@ def _run(llm: LLM, c: int, input_len: int, output_len: int, prompts=None):
 
 def test_block_size_8_vs_64_moves_capacity_and_step_time():
     """Larger blocks waste more of each sequence's last block (fewer sequences fit) but make
-    fewer, larger page transfers (attention reads faster): README, "What block size changes"."""
+    fewer, larger page transfers (attention reads faster): docs/simulator.md, "What block size changes"."""
     small, large = (kv_capacity(QWEN, "awq", "gb10", 0.85, bs) for bs in (8, 64))
     assert abs(small.num_tokens - large.num_tokens) <= 64  # the same memory...
     assert small.max_sequences(520) > large.max_sequences(520)  # ...holds more 520-token seqs
