@@ -23,7 +23,9 @@ outside the intervals. ``python -m experiments.table`` writes the tables only.
 
     python -m experiments.compare ours/results.jsonl hf/results.jsonl --labels ours hf \\
         --metrics output_throughput per_user_tok_s median_ttft_ms --out comparison
-    python -m experiments.compare multirun/<date>/<time> --group-by model,block_size
+    python -m experiments.compare multirun/<date>/<time> --group-by block_size --facet-by model
+
+Figures get one panel per model when several models are compared (``--facet-by``).
 """
 
 from __future__ import annotations
@@ -107,6 +109,17 @@ def load(files: list[Path], labels: list[str] | None) -> tuple[list[dict], list[
     return points, base
 
 
+def facet_axis(
+    series: dict[str, list[dict]], group_by: list[str], requested: str | None
+) -> str | None:
+    """The axis figures are split into panels by: ``requested`` ("none": one panel), else
+    ``model`` when the series hold several models and ``--group-by`` does not name it."""
+    if requested is not None:
+        return None if requested == "none" else requested
+    models = {str(p.get("model")) for pts in series.values() for p in pts}
+    return "model" if len(models) > 1 and "model" not in group_by else None
+
+
 def style_note(group_by: list[str]) -> str:
     """What ``styles`` encodes, for the caption."""
     parts = []
@@ -145,6 +158,12 @@ def parse_args(argv: list[str] | None, tables_only: bool = False) -> argparse.Na
     parser.add_argument("--out", type=Path, default=None, help="output directory")
     parser.add_argument(
         "--group-by", help="comma-separated axes that name the series (colour, then style)"
+    )
+    parser.add_argument(
+        "--facet-by",
+        default=None,
+        help="one panel per value of this axis (default: model, when several models are "
+        "compared and --group-by does not name it; 'none' for one panel)",
     )
     args = parser.parse_args(argv)
     args.parser = parser
@@ -191,8 +210,11 @@ def main(argv: list[str] | None = None) -> list[Path]:
     print(md(rows, args.metrics))
     line_styles = styles(list(series)) if group_by else None
     note = style_note(group_by)
+    facet = facet_axis(series, group_by, args.facet_by)
     paths = [
-        plot_comparison(series, m, args.out / f"{m}.png", styles=line_styles, style_note=note)
+        plot_comparison(
+            series, m, args.out / f"{m}.png", styles=line_styles, style_note=note, facet_by=facet
+        )
         for m in args.metrics
     ]
     tables = write_tables(rows, args.metrics, args.out, caption(series, "", (), note))

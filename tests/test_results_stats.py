@@ -265,3 +265,31 @@ def test_prediction_bands_figure_is_paper_grade(tmp_path):
     text = fig._supxlabel.get_text().replace("\n", " ")
     assert "solid line: prediction" in text and "shaded band" in text
     assert not _overlaps(fig), _overlaps(fig)
+
+
+def test_a_two_model_ablation_draws_one_panel_per_model_with_its_series(tmp_path):
+    """The README's block-size ablation over Qwen and Llama through the compare CLI: one panel
+    per model, each with its three block sizes labelled, and summary.csv rows per model."""
+    from experiments.compare import main as compare
+    from research.bench.plots import comparison_figure
+
+    for block in (8, 16, 32):
+        job = tmp_path / "sweep" / str(block)
+        job.mkdir(parents=True)
+        pts = [p for p in _points(blocks=(block,))]
+        (job / "results.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pts))
+    compare([str(tmp_path / "sweep"), "--metrics", "output_throughput", "--group-by", "block_size"])
+    with (tmp_path / "sweep" / "comparison" / "summary.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["label"], r["model"]) for r in rows} == {
+        (f"block_size={b} model={m}", m)
+        for b in (8, 16, 32) for m in ("qwen3-coder-30b-a3b", "llama-3.3-70b")
+    }  # fmt: skip
+    series = series_of(_points(), group_by=["block_size"])
+    fig = comparison_figure(series, "output_throughput", facet_by="model")
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in panels] == ["model=qwen3-coder-30b-a3b", "model=llama-3.3-70b"]
+    for ax in panels:
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert sorted(legend) == [f"block_size={b} (simulated)" for b in ("16", "32", "8")]
+    assert not _overlaps(fig), _overlaps(fig)

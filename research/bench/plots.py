@@ -229,10 +229,20 @@ def _plot_series(
 
 
 def _y_axis(ax: Any, values: Sequence[float], log_y: bool | None) -> None:
+    """Log when asked or when the values span more than a decade, else linear from 0. Log axes
+    are labelled at 1-2-5 steps (at decades only past two decades), no minor labels: the
+    default minor labels of a short log axis overlap at this size."""
+    from matplotlib.ticker import LogLocator, NullFormatter
+
     positive = [v for v in values if v > 0]
     spans_decade = bool(positive) and max(positive) > 10 * min(positive)
     if log_y or (log_y is None and spans_decade):
         ax.set_yscale("log")
+        decades = math.log10(max(positive) / min(positive)) if positive else 1.0
+        subs = (1.0, 2.0, 5.0) if decades <= 2 else (1.0,)
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
     else:
         ax.set_ylim(bottom=0)
 
@@ -338,11 +348,13 @@ def plot_comparison(
     log_y: bool | None = None,
     styles: Mapping[str, Mapping[str, Any]] | None = None,
     style_note: str = "",
+    facet_by: str | None = None,
 ) -> Path:
     """One line per label of ``metric`` against concurrency (block sizes, formats, engines...);
     TTFT metrics in seconds on a log axis; ``styles``: matplotlib line styles per label, and
-    ``style_note`` what they encode (for the caption)."""
-    return _save(comparison_figure(series, metric, log_y, styles, style_note), path)
+    ``style_note`` what they encode (for the caption); ``facet_by``: one panel per value of
+    that axis."""
+    return _save(comparison_figure(series, metric, log_y, styles, style_note, facet_by), path)
 
 
 def comparison_figure(
@@ -351,30 +363,54 @@ def comparison_figure(
     log_y: bool | None = None,
     styles: Mapping[str, Mapping[str, Any]] | None = None,
     style_note: str = "",
+    facet_by: str | None = None,
 ) -> Figure:
+    """One panel (or one per value of ``facet_by``, e.g. ``model``: models whose scales differ
+    tenfold each get their own axis, titled ``model=...``), one line per series."""
     series = _as_series(series)
-    names, shared = _short_labels(list(series))
-    fig = Figure(figsize=(WIDTH_IN / 2, 2.9), layout="constrained")
+    facets: dict[str, dict[str, Sequence[Point]]] = {}
+    for label, points in series.items():
+        key = f"{facet_by}={points[0].get(facet_by)}" if facet_by and points else ""
+        facets.setdefault(key, {})[label] = points
+    n = len(facets)
+    cols = min(n, 3)
+    rows = -(-n // cols)
+    width = WIDTH_IN / 2 if n == 1 else WIDTH_IN
+    fig = Figure(figsize=(width, 2.6 * rows + 0.3), layout="constrained")
     fig.get_layout_engine().set(h_pad=0.15)
-    ax = fig.subplots()
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    for ax in axes[n:]:
+        ax.set_visible(False)
     is_ttft = "ttft" in metric
-    values: list[float] = []
-    for label in series:
-        values += _plot_series(
-            ax,
-            {label: series[label]},
-            metric,
-            names,
-            scale=1e-3 if is_ttft else 1.0,
-            **dict((styles or {}).get(label, {})),
-        )
-    _setup_x(ax)
-    label = METRIC_LABELS.get(metric, metric)
-    ax.set_ylabel(label.replace("(ms)", "(s)") if is_ttft else label, fontsize=7)
-    ax.tick_params(labelsize=6)
-    _y_axis(ax, values, True if is_ttft else log_y)
-    ax.legend(fontsize=5)
-    _finish(fig, series, shared, style_note)
+    names_all, shared = _short_labels(list(series))
+    for ax, (facet, members) in zip(axes, facets.items(), strict=False):
+        names = names_all
+        if facet:
+            value = facet.split("=", 1)[1]
+            names = {
+                label: " ".join(w for w in names_all[label].split() if w not in (facet, value))
+                or names_all[label]
+                for label in members
+            }
+            ax.set_title(facet, fontsize=7)
+        values: list[float] = []
+        for label in members:
+            values += _plot_series(
+                ax,
+                {label: members[label]},
+                metric,
+                names,
+                scale=1e-3 if is_ttft else 1.0,
+                **dict((styles or {}).get(label, {})),
+            )
+        _setup_x(ax)
+        label = METRIC_LABELS.get(metric, metric)
+        ax.set_ylabel(label.replace("(ms)", "(s)") if is_ttft else label, fontsize=7)
+        ax.tick_params(labelsize=6)
+        _y_axis(ax, values, True if is_ttft else log_y)
+        ax.legend(fontsize=5)
+    note = ", ".join(x for x in (style_note, f"one panel per {facet_by}" if n > 1 else "") if x)
+    _finish(fig, series, shared, note)
     return fig
 
 
