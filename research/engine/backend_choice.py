@@ -41,7 +41,7 @@ def native_supports(dtype: Any, kv_cache_dtype: str, cfg: ModelConfig | None = N
     from research import native
 
     if not native.available():
-        return f"the native library did not build: {native.build_error()}"
+        return f"the native attention library did not build: {native.build_error()}"
     return None
 
 

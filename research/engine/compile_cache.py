@@ -14,9 +14,12 @@ DEFAULT_CACHE_DIR = "~/.cache/research/jax"
 
 def enable_compilation_cache(path: str | os.PathLike | None = DEFAULT_CACHE_DIR) -> str | None:
     """Cache compiled executables under ``path`` (created if missing); None leaves JAX as it is.
-    Returns the absolute directory used."""
+    The default directory yields to ``$RESEARCH_JAX_CACHE_DIR`` (the tests point it at a
+    per-run temporary folder). Returns the absolute directory used."""
     if path is None:
         return None
+    if os.fspath(path) == DEFAULT_CACHE_DIR:
+        path = os.environ.get("RESEARCH_JAX_CACHE_DIR", DEFAULT_CACHE_DIR)
     import jax
 
     directory = os.path.abspath(os.path.expanduser(os.fspath(path)))

@@ -8,15 +8,23 @@ decode and verification rows; ``packed_attention`` runs a call's prefill chunks 
 pass over the packed tokens (each over its row's pages and the row's own new tokens). ``gemm``
 (``gemm.cc``) multiplies bfloat16 projections on the CPU's AMX tiles.
 
-The library is built with the system C++ compiler (``$CXX`` or ``g++``) against the FFI headers
-that jaxlib ships, once per source, jaxlib version and CPU, into ``$RESEARCH_NATIVE_CACHE``
-(default ``~/.cache/research-native``). ``available()`` says whether it built; callers fall back
-to the XLA path when it did not, and ``build_error()`` says why.
+Each kernel family is its own library (``FAMILIES``: ``attention``, ``gemm``), so a compile
+failure in one loses only its own kernels. A library is built with the system C++ compiler
+(``$CXX`` or ``g++``) against the FFI headers jaxlib ships, into ``$RESEARCH_NATIVE_CACHE``
+(default ``~/.cache/research-native``), under a name keyed by its sources and headers, the
+jaxlib version, the compiler and its version, the flags, the CPU architecture and the CPU's
+feature flags: a cache shared between machines, compilers or CPUs never hands one the other's
+library. Builders take a file lock in the cache (one process builds, the others wait and load
+its result) and the compile has a timeout (``$RESEARCH_NATIVE_BUILD_TIMEOUT``, default 600 s).
+``available(family)`` says whether a family built (callers fall back to the XLA path when not,
+with a warning that names the family and the error); ``build_error(family)`` says why;
+``build_events()`` says, per family, whether this process compiled it or found it built.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -25,37 +33,58 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / "paged_attention.cc", _HERE / "gemm.cc"]
 _HEADERS = [_HERE / "parallel.h", _HERE / "vec_math.h"]
+# family -> (sources, FFI targets: registered name -> exported symbol)
+FAMILIES: dict[str, tuple[list[Path], dict[str, str]]] = {
+    "attention": (
+        [_HERE / "paged_attention.cc"],
+        {
+            "research_paged_attention": "PagedAttention",
+            "research_packed_attention": "PackedAttention",
+        },
+    ),
+    "gemm": ([_HERE / "gemm.cc"], {"research_gemm_bf16": "GemmBf16"}),
+}
 _TARGET = "research_paged_attention"
 _GEMM_TARGET = "research_gemm_bf16"
 _PACKED_TARGET = "research_packed_attention"
+BUILD_TIMEOUT_S = 600.0
 _lock = threading.Lock()
-_state: dict[str, Any] = {}
+_state: dict[str, dict[str, Any]] = {}
 
 
 def _cpu_signature() -> str:
+    """The CPU's architecture, model and feature flags (what ``-march=native`` compiles for)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
         lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
-        return "\n".join(sorted(set(lines)))
+        return "\n".join([platform.machine(), *sorted(set(lines))])
     except OSError:
-        return platform.processor() or platform.machine()
+        return f"{platform.machine()} {platform.processor()}"
 
 
-def _build() -> Path:
-    import jax
-    import jaxlib
+def cache_dir() -> Path:
+    return Path(os.environ.get("RESEARCH_NATIVE_CACHE", Path.home() / ".cache" / "research-native"))
 
+
+def _compiler() -> tuple[str, str]:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         raise RuntimeError("no C++ compiler found (set CXX or install g++)")
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=60
+    ).stdout.splitlines()
+    return compiler, (version[0] if version else "")
+
+
+def _flags(compiler: str) -> list[str]:
     flags = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w"]
     if platform.machine() in ("x86_64", "AMD64"):  # 512-bit vectors; AMX where the compiler can
         x86 = ["-mprefer-vector-width=512", "-mamx-tile", "-mamx-bf16"]
@@ -64,64 +93,128 @@ def _build() -> Path:
             input="",
             capture_output=True,
             text=True,
+            timeout=60,
         )
         flags += x86 if probe.returncode == 0 else []
-    texts = [p.read_text() for p in (*_SOURCES, *_HEADERS)]
+    return flags
+
+
+def library_path(family: str) -> Path:
+    """Where ``family``'s library for this machine, compiler and source lives in the cache."""
+    import jaxlib
+
+    sources, _ = FAMILIES[family]
+    compiler, version = _compiler()
+    texts = [p.read_text() for p in (*sources, *_HEADERS)]
     key = hashlib.sha256(
         "\n".join(
-            [*texts, jaxlib.__version__, compiler, " ".join(flags), _cpu_signature()]
+            [
+                *texts,
+                jaxlib.__version__,
+                compiler,
+                version,
+                " ".join(_flags(compiler)),
+                _cpu_signature(),
+            ]
         ).encode()
     ).hexdigest()[:16]
-    cache = Path(
-        os.environ.get("RESEARCH_NATIVE_CACHE", Path.home() / ".cache" / "research-native")
-    )
-    lib = cache / f"paged_attention-{key}.so"
+    return cache_dir() / f"{family}-{platform.machine()}-{key}.so"
+
+
+def _build(family: str) -> tuple[Path, str]:
+    """``family``'s library, built under the cache's file lock unless already there: (path,
+    "built" or "cached")."""
+    import jax
+
+    lib = library_path(family)
     if lib.exists():
-        return lib
+        return lib, "cached"
+    cache = cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        out = Path(tmp) / lib.name
-        cmd = [compiler, *flags, "-I", jax.ffi.include_dir(), "-o", str(out)]
-        cmd += [str(p) for p in _SOURCES]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-        os.replace(out, lib)  # atomic: concurrent builders each install a whole library
-    return lib
+    timeout = float(os.environ.get("RESEARCH_NATIVE_BUILD_TIMEOUT", BUILD_TIMEOUT_S))
+    with (cache / f"{lib.stem}.lock").open("w") as lock:
+        deadline = time.monotonic() + timeout
+        while True:  # another process may be building the same library: wait for it
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"timed out after {timeout:.0f} s waiting for another process to build "
+                        f"{lib.name} (lock {lock.name})"
+                    ) from None
+                time.sleep(0.2)
+        try:
+            if lib.exists():  # built by the process we waited for
+                return lib, "cached"
+            compiler, _ = _compiler()
+            sources, _ = FAMILIES[family]
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:
+                out = Path(tmp) / lib.name
+                cmd = [compiler, *_flags(compiler), "-I", jax.ffi.include_dir(), "-o", str(out)]
+                cmd += [str(p) for p in sources]
+                try:
+                    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    raise RuntimeError(
+                        f"compiling {family} timed out after {timeout:.0f} s: {' '.join(cmd)}"
+                    ) from None
+                if proc.returncode != 0:
+                    raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+                os.replace(out, lib)  # atomic: a reader never sees half a library
+            return lib, "built"
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _load() -> bool:
+def _load(family: str = "attention") -> bool:
     with _lock:
-        if "ok" in _state:
-            return _state["ok"]
+        state = _state.setdefault(family, {})
+        if "ok" in state:
+            return state["ok"]
         try:
             import jax
 
-            lib = ctypes.cdll.LoadLibrary(str(_build()))
-            jax.ffi.register_ffi_target(
-                _TARGET, jax.ffi.pycapsule(lib.PagedAttention), platform="cpu"
-            )
-            jax.ffi.register_ffi_target(
-                _PACKED_TARGET, jax.ffi.pycapsule(lib.PackedAttention), platform="cpu"
-            )
-            jax.ffi.register_ffi_target(
-                _GEMM_TARGET, jax.ffi.pycapsule(lib.GemmBf16), platform="cpu"
-            )
-            _state["ok"], _state["lib"] = True, lib
+            path, event = _build(family)
+            lib = ctypes.cdll.LoadLibrary(str(path))
+            for target, symbol in FAMILIES[family][1].items():
+                jax.ffi.register_ffi_target(
+                    target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
+                )
+            state.update(ok=True, lib=lib, event=event, path=path)
         except Exception as exc:  # no compiler, headers or loader: the XLA path serves instead
-            _state["ok"], _state["error"] = False, str(exc)
-            log.warning("native CPU kernels unavailable, using the XLA path: %s", exc)
-        return _state["ok"]
+            state.update(ok=False, error=str(exc), event="failed")
+            log.warning(
+                "native CPU %s kernels unavailable (%s), using the XLA path for them: %s",
+                family,
+                ", ".join(FAMILIES[family][1]),
+                exc,
+            )
+        return state["ok"]
 
 
-def available() -> bool:
-    """True once the native library is built and registered with XLA (built on first call)."""
-    return _load()
+def available(family: str = "attention") -> bool:
+    """True once ``family``'s library is built and registered with XLA (built on first call)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown native kernel family {family!r}; one of {sorted(FAMILIES)}")
+    return _load(family)
 
 
-def build_error() -> str | None:
-    """Why the native library is unavailable (None when it is, or was never tried)."""
-    return _state.get("error")
+def build_error(family: str = "attention") -> str | None:
+    """Why ``family``'s library is unavailable (None when it is, or was never tried)."""
+    return _state.get(family, {}).get("error")
+
+
+def build_events() -> dict[str, str]:
+    """Per family tried in this process: "built" (compiled here), "cached" (found built, maybe
+    after waiting for another process's build) or "failed"."""
+    return {f: s["event"] for f, s in _state.items() if "event" in s}
+
+
+def library(family: str) -> Any:
+    """The loaded ``ctypes`` library of ``family`` (after ``available(family)``)."""
+    return _state[family]["lib"]
 
 
 def paged_attention(
@@ -199,4 +292,14 @@ def packed_attention(
     )
 
 
-__all__ = ["available", "build_error", "packed_attention", "paged_attention"]
+__all__ = [
+    "FAMILIES",
+    "available",
+    "build_error",
+    "build_events",
+    "cache_dir",
+    "library",
+    "library_path",
+    "packed_attention",
+    "paged_attention",
+]

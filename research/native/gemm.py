@@ -100,7 +100,7 @@ def unpack(w: PackedWeight) -> jax.Array:
 
 def available() -> bool:
     """The library built and this CPU has AMX-BF16 with the tile state granted."""
-    return native.available() and bool(native._state["lib"].ResearchAmxReady())
+    return native.available("gemm") and bool(native.library("gemm").ResearchAmxReady())
 
 
 def unavailable_reason(dtype: Any) -> str | None:
@@ -109,8 +109,8 @@ def unavailable_reason(dtype: Any) -> str | None:
         return f"{jnp.dtype(dtype).name} weights (the AMX kernel multiplies bfloat16)"
     if jax.default_backend() != "cpu":
         return f"the {jax.default_backend()} backend (the kernel is for CPU)"
-    if not native.available():
-        return f"the native library did not build: {native.build_error()}"
+    if not native.available("gemm"):
+        return f"the native gemm library did not build: {native.build_error('gemm')}"
     if not available():
         return "this CPU has no AMX-BF16 (or the OS did not grant the tile state)"
     return None
@@ -172,8 +172,8 @@ def pack_params(params: dict, tie_word_embeddings: bool) -> dict:
 def matmul(x: jax.Array, w: PackedWeight, out_dtype: Any = jnp.float32) -> jax.Array:
     """x [..., K] @ W [K, N] -> [..., N] in ``out_dtype`` (float32 or bfloat16; accumulated in
     float32) through the AMX kernel; a gate/up pair gives silu(gate) * up [..., N / 2]."""
-    if not native.available():  # builds and registers the library on first use
-        raise RuntimeError(f"native gemm unavailable: {native.build_error()}")
+    if not native.available("gemm"):  # builds and registers the library on first use
+        raise RuntimeError(f"native gemm unavailable: {native.build_error('gemm')}")
     k = w.shape[0]
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features; the packed weight takes {k}")

@@ -92,7 +92,10 @@ def measure_host_peaks(gemm_size: int = 2048, copy_mib: int = 256, repeats: int 
 
 
 def host_peaks(cache_path: str | os.PathLike | None = CACHE_PATH, refresh: bool = False) -> dict:
-    """This machine's peaks from the cache, measured (and cached) when absent or ``refresh``."""
+    """This machine's peaks from the cache, measured (and cached) when absent or ``refresh``.
+    The default cache file yields to ``$RESEARCH_HOST_PEAKS_CACHE``."""
+    if cache_path is not None and os.fspath(cache_path) == CACHE_PATH:
+        cache_path = os.environ.get("RESEARCH_HOST_PEAKS_CACHE", CACHE_PATH)
     path = Path(os.path.expanduser(os.fspath(cache_path))) if cache_path else None
     key = _machine_key()
     cached: dict[str, Any] = {}
