@@ -227,6 +227,13 @@ def run_soak(argv: list[str] | None = None) -> dict[str, Any]:
         help="the same traffic first, not tallied (it compiles the step shapes)",
     )
     parser.add_argument("--trace-malloc", action="store_true", help="print the heap growth")
+    parser.add_argument("--json", default=None, help="also write the summary to this file")
+    parser.add_argument(
+        "--max-rss-slope",
+        type=float,
+        default=None,
+        help="fail if RSS grows faster than this many MiB per minute over the timed soak",
+    )
     parser.add_argument(
         "--enforce-eager",
         action="store_true",
@@ -277,6 +284,8 @@ def run_soak(argv: list[str] | None = None) -> dict[str, Any]:
         "p99_latency_ms": round(float(np.percentile(lat, 99)), 1),
         "rss_mb": [(round(t, 1), round(m, 1)) for t, m in soak.rss],
         "step_shapes_compiled": [compiled_in_warmup, llm.engine.num_compilations],
+        "compiled_after_warmup": llm.engine.num_compilations - compiled_in_warmup,
+        "rss_slope_mb_per_min": rss_slope(soak.rss),
         # calls run padded to a compiled cover while their own shape compiled in the background
         "covered_calls": getattr(llm.engine.executor, "covered_calls", 0),
         "idle_at_end": idle,
@@ -289,8 +298,20 @@ def run_soak(argv: list[str] | None = None) -> dict[str, Any]:
         and soak.completed > 0
         and idle["running"] == idle["waiting"] == idle["kv_blocks_used"] == 0
         and idle["metrics_kv_blocks_used"] == 0
+        and (args.max_rss_slope is None or summary["rss_slope_mb_per_min"] <= args.max_rss_slope)
     )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f)
     return summary
+
+
+def rss_slope(samples: list[tuple[float, float]]) -> float:
+    """Least-squares slope of RSS (MiB) against time, in MiB per minute (0 with < 3 samples)."""
+    if len(samples) < 3:
+        return 0.0
+    t, m = np.array(samples, dtype=np.float64).T
+    return float(np.polyfit(t / 60.0, m, 1)[0])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,14 +9,19 @@ import httpx
 
 
 class FaultyExecutor:
-    """Wraps an executor: ``execute`` raises when ``should_fail(plan)`` says so and sleeps
-    ``delay`` seconds per step (a model slow enough to watch the engine between steps)."""
+    """Wraps an executor: ``execute`` raises when ``should_fail(plan)`` says so, sleeps
+    ``delay`` seconds per step (a model slow enough to watch the engine between steps) and,
+    with a ``gate`` (a ``threading.Event``), runs a step only while the gate is open: a test
+    holds the engine mid-step for as long as it needs, whatever the machine's speed."""
 
-    def __init__(self, executor, should_fail=lambda plan: False, delay: float = 0.0):
+    def __init__(self, executor, should_fail=lambda plan: False, delay: float = 0.0, gate=None):
         self.inner, self.should_fail, self.delay, self.calls = executor, should_fail, delay, 0
+        self.gate = gate
 
     def execute(self, plan):
         self.calls += 1
+        if self.gate is not None and not self.gate.wait(timeout=300):
+            raise RuntimeError("the test never opened the executor's gate")
         if self.delay:
             time.sleep(self.delay)
         if self.should_fail(plan):

@@ -72,12 +72,14 @@ body_fields = {
     "skip_special_tokens": anything,
     "return_token_ids": anything,
 }
+# Stop strings an OpenAI client can send: non-empty, valid Unicode (no lone surrogates).
+stop_text = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=8)
 plausible = {
     "temperature": st.floats(0, 2),
     "top_p": st.floats(0.01, 1),
     "top_k": st.integers(-1, 300),
-    "seed": st.integers(0, 2**32),
-    "stop": st.lists(text, max_size=2),
+    "seed": st.integers(0, 2**32 - 1),
+    "stop": st.lists(stop_text, max_size=2),
     "stop_token_ids": st.lists(st.integers(0, 255), max_size=2),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
@@ -125,11 +127,23 @@ def server():
         yield url, engine
 
 
+def _openai_error(payload: bytes) -> dict:
+    """The error object of an OpenAI-style error body: {"error": {"message", "type", ...}}."""
+    body = json.loads(payload)
+    error = body["error"]
+    assert isinstance(error["message"], str) and error["message"], body
+    assert isinstance(error["type"], str) and error["type"], body
+    assert {"param", "code"} <= set(error), body
+    return error
+
+
 def _check(client: httpx.Client, path: str, content: bytes) -> int:
     headers = {"Content-Type": "application/json"}
     with client.stream("POST", path, content=content, headers=headers) as response:
         payload = response.read()
         assert response.status_code < 500, (content[:300], payload[:300])
+        if response.status_code >= 400:
+            _openai_error(payload)  # every refusal says why, as the OpenAI API does
         if response.status_code == 200 and b"data: " in payload[:6]:
             assert b"server_error" not in payload, payload[-300:]
             assert payload.rstrip().endswith(b"data: [DONE]"), payload[-300:]
@@ -162,3 +176,41 @@ def test_no_request_body_gets_a_5xx_or_hurts_the_next_request(server, capsys):
     with capsys.disabled():
         print(f"\nfuzz: {runs} requests, statuses {dict(sorted(statuses.items()))}")
     assert runs >= MAX_EXAMPLES // 2
+
+
+def test_every_valid_body_is_answered(server):
+    """Bodies inside the API (model, prompt ids, max_tokens and any plausible sampling field):
+    200 with a completion (or a stream that ends in [DONE]) every time, never a refusal."""
+    url, engine = server
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(body=valid_bodies)
+    def one(body: dict) -> None:
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 200, (body, response.text[:300])
+        if body.get("stream"):
+            assert response.text.rstrip().endswith("data: [DONE]"), response.text[-300:]
+        else:
+            choice = response.json()["choices"][0]
+            assert choice["finish_reason"] in ("stop", "length")
+
+    with httpx.Client(base_url=url, timeout=60) as client:
+        one()
+    assert not engine.has_unfinished_requests()
+
+
+def test_refusals_are_openai_style_errors(server):
+    """A few known-bad bodies: 400 with {"error": {"message", "type", "param", "code"}}."""
+    url, _ = server
+    bad = [
+        {"model": MODEL, "prompt": [1, 2], "max_tokens": -1},
+        {"model": MODEL, "prompt": [1, 2], "temperature": "hot"},
+        {"model": "nope", "prompt": [1, 2]},
+        {"model": MODEL, "prompt": list(range(100))},  # longer than max_model_len 64
+    ]
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for body in bad:
+            response = client.post("/v1/completions", json=body)
+            assert 400 <= response.status_code < 500, (body, response.text)
+            error = _openai_error(response.content)
+            assert error["type"] in ("invalid_request_error", "NotFoundError", "BadRequestError")

@@ -88,35 +88,50 @@ def test_resolve_picks_xla_where_the_kernel_cannot_serve():
 
 
 def test_pack_params_fuses_and_packs_projections_only():
-    """q/k/v fuse into wqkv and a dense MLP's gate/up into w_gate_up where they tile; wo and
-    w_down are packed alone; norms, 3-D expert stacks, the router and the embedding stay; a
-    tied embedding gains a packed lm_head; a projection that does not tile stays unfused."""
+    """q/k/v fuse into wqkv (q, then k, then v) and a dense MLP's gate/up into w_gate_up (per
+    16-column panel: gate, then up) where they tile; wo and w_down are packed alone; norms, 3-D
+    expert stacks, the router and the embedding stay; a tied embedding gains a packed lm_head
+    (its transpose); a projection that does not tile stays unfused. Random weights and the
+    exact inverse (``unpack``): a swapped q/k/v or gate/up order, or a wrong transpose, fails
+    here, on any CPU (no AMX needed)."""
     bf = jnp.bfloat16
-    dense = {
-        "attn_norm": jnp.ones(64, bf),
-        **{key: jnp.ones((64, 96), bf) for key in ("wq", "wk", "wv", "wo", "w_gate", "w_up")},
-        "w_down": jnp.ones((96, 64), bf),
-    }
+    rng = np.random.default_rng(0)
+
+    def w(*shape):
+        return jnp.asarray(rng.standard_normal(shape), bf)
+
+    dense = {"attn_norm": w(64), "w_down": w(96, 64)}
+    dense |= {key: w(64, 96) for key in ("wq", "wk", "wv", "wo", "w_gate", "w_up")}
     moe = {
-        "wq": jnp.ones((64, 96), bf),
-        "wk": jnp.ones((64, 40), bf),  # 40 outputs: does not tile, so no wqkv
-        "wv": jnp.ones((64, 96), bf),
-        "w_gate": jnp.ones((4, 64, 32), bf),  # experts: not 2-D projections
-        "w_up": jnp.ones((4, 64, 32), bf),
-        "router": jnp.ones((64, 32), bf),
+        "wq": w(64, 96),
+        "wk": w(64, 40),  # 40 outputs: does not tile, so no wqkv
+        "wv": w(64, 96),
+        "w_gate": w(4, 64, 32),  # experts: not 2-D projections
+        "w_up": w(4, 64, 32),
+        "router": w(64, 32),
     }
-    params = {"embed": jnp.ones((128, 64), bf), "layers": [dense, moe]}
+    params = {"embed": w(128, 64), "layers": [dense, moe]}
     packed = gemm.pack_params(params, tie_word_embeddings=True)
     d, m = packed["layers"]
     assert sorted(d) == ["attn_norm", "w_down", "w_gate_up", "wo", "wqkv"]
     assert d["wqkv"].shape == (64, 288) and d["w_gate_up"].out_features == 96
-    assert isinstance(d["wo"], gemm.PackedWeight) and d["w_down"].shape == (96, 64)
+
+    def same(a, b):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+    same(gemm.unpack(d["wqkv"]), jnp.concatenate([dense["wq"], dense["wk"], dense["wv"]], 1))
+    panels = np.asarray(gemm.unpack(d["w_gate_up"]), np.float32).reshape(64, 6, 2, 16)
+    same(panels[:, :, 0].reshape(64, 96), dense["w_gate"])
+    same(panels[:, :, 1].reshape(64, 96), dense["w_up"])
+    same(gemm.unpack(d["wo"]), dense["wo"])
+    same(gemm.unpack(d["w_down"]), dense["w_down"])
+    assert d["attn_norm"] is dense["attn_norm"]
     assert "wqkv" not in m and m["wk"] is moe["wk"]
-    assert isinstance(m["wq"], gemm.PackedWeight)
+    same(gemm.unpack(m["wq"]), moe["wq"])
     for key in ("w_gate", "w_up", "router"):
         assert m[key] is moe[key]
     assert packed["embed"] is params["embed"]
-    assert packed["lm_head"].shape == (64, 128)
+    same(gemm.unpack(packed["lm_head"]), params["embed"].T)
     assert "lm_head" not in gemm.pack_params(params, tie_word_embeddings=False)
 
 

@@ -185,36 +185,55 @@ def test_32_non_streaming_disconnects_leave_nothing_running_within_one_step(llm)
 
 
 def test_max_waiting_is_counted_at_admission_and_metrics_show_admissions(llm):
-    """Two long requests hold both slots; 16 more arrive one by one over a second, across
-    several step boundaries: exactly 4 are admitted to wait, the rest get 429."""
+    """Two long requests hold both slots, and the engine is held mid-step (a gated executor)
+    while 16 more arrive one by one, each sent only once the previous one is settled (admitted:
+    the loop's unscheduled count grew; or refused): exactly 4 are admitted to wait, the other
+    12 get 429 with Retry-After. No timing: the gate, not the machine's speed, keeps the slots
+    busy."""
+    import threading
+
+    gate = threading.Event()
+    gate.set()
     engine = _engine(llm, max_num_seqs=2)
-    engine.executor = FaultyExecutor(engine.executor, delay=0.1)
+    engine.executor = FaultyExecutor(engine.executor, gate=gate)
     app = create_app(engine, served_model_name=MODEL, max_waiting=4)
+    loop = app.state.engine_loop
     with serve_in_thread(app) as url:
 
         async def main():
-            async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64)) as c:
+            async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as c:
                 post = lambda body: asyncio.ensure_future(  # noqa: E731
                     c.post(f"{url}/v1/completions", json=body)
                 )
                 blockers = [post(_body(PROMPTS[i], max_tokens=40)) for i in range(2)]
                 while len(engine.scheduler.running) < 2:
                     await asyncio.sleep(0.01)
+                gate.clear()  # the next step waits: both slots stay taken
                 arrivals = []
                 for i in range(16):
+                    before = loop._num_unscheduled
                     arrivals.append(post(_body(PROMPTS[i % 8], max_tokens=1)))
-                    await asyncio.sleep(0.06)
+                    while not arrivals[-1].done() and loop._num_unscheduled == before:
+                        await asyncio.sleep(0.005)
+                refused = [a for a in arrivals if a.done()]
                 gauges = metrics(url, MODEL)
-                return gauges, await asyncio.gather(*arrivals), await asyncio.gather(*blockers)
+                gate.set()
+                return (
+                    gauges,
+                    refused,
+                    await asyncio.gather(*arrivals),
+                    await asyncio.gather(*blockers),
+                )
 
-        gauges, responses, blockers = asyncio.run(main())
+        gauges, refused_early, responses, blockers = asyncio.run(main())
         after = metrics(url, MODEL)
     statuses = [r.status_code for r in responses]
     assert statuses.count(200) == 4 and statuses.count(429) == 12, statuses
+    assert statuses[:4] == [200] * 4  # the first four found room; every later one was refused
+    assert len(refused_early) == 12  # refused at once, while the engine was held
     assert all(r.headers["retry-after"] for r in responses if r.status_code == 429)
     assert [b.status_code for b in blockers] == [200, 200]
-    assert gauges["research:num_requests_running"] == 2
-    assert gauges["research:num_requests_waiting"] == 4
+    assert gauges["research:requests_rejected_total"] == 12
     assert after["research:requests_total"] == 6
     assert after["research:requests_rejected_total"] == 12
 
