@@ -255,6 +255,7 @@ def run_soak(argv: list[str] | None = None) -> dict[str, Any]:
             warmup.args.minutes = args.warmup_minutes
             asyncio.run(warmup.run())
         compiled_in_warmup = llm.engine.num_compilations
+        step_compiles_in_warmup = llm.engine.executor.step_compiles
         baseline = tracemalloc.take_snapshot() if args.trace_malloc else None
         soak = Soak(url, llm, args)
         t0 = time.monotonic()
@@ -284,7 +285,10 @@ def run_soak(argv: list[str] | None = None) -> dict[str, Any]:
         "p99_latency_ms": round(float(np.percentile(lat, 99)), 1),
         "rss_mb": [(round(t, 1), round(m, 1)) for t, m in soak.rss],
         "step_shapes_compiled": [compiled_in_warmup, llm.engine.num_compilations],
+        # Shapes compiled after the warmup: in the background while a cover served (no step
+        # waited), and inside a step (one did).
         "compiled_after_warmup": llm.engine.num_compilations - compiled_in_warmup,
+        "step_compiles_after_warmup": llm.engine.executor.step_compiles - step_compiles_in_warmup,
         "rss_slope_mb_per_min": rss_slope(soak.rss),
         # calls run padded to a compiled cover while their own shape compiled in the background
         "covered_calls": getattr(llm.engine.executor, "covered_calls", 0),
@@ -307,11 +311,17 @@ def run_soak(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def rss_slope(samples: list[tuple[float, float]]) -> float:
-    """Least-squares slope of RSS (MiB) against time, in MiB per minute (0 with < 3 samples)."""
-    if len(samples) < 3:
+    """Least-squares slope of RSS (MiB) against time over the second half of the timed soak,
+    in MiB per minute (0 with fewer than 3 samples there). The first half holds the settling
+    (background compiles of shapes the warmup did not reach, allocator pools filling); a leak
+    grows in both halves."""
+    if not samples:
         return 0.0
     t, m = np.array(samples, dtype=np.float64).T
-    return float(np.polyfit(t / 60.0, m, 1)[0])
+    late = t >= t[-1] / 2
+    if late.sum() < 3:
+        return 0.0
+    return float(np.polyfit(t[late] / 60.0, m[late], 1)[0])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,8 +39,16 @@ _JAX_OPTIONS = (
 
 
 def pytest_sessionstart(session):
-    """``RESEARCH_REQUIRE_NATIVE=1`` (CI): a native kernel family that does not build fails the
+    """JAX's persistent compilation cache on for the whole session, in the run's temporary
+    folder: every module sees the same setting (none turns it on for the ones after it), and a
+    step shape compiled by one module is read back by the next (``_free_compiled_executables``
+    drops the in-memory executables between modules).
+
+    ``RESEARCH_REQUIRE_NATIVE=1`` (CI): a native kernel family that does not build fails the
     run instead of skipping its tests and leaving the engine on the XLA path unnoticed."""
+    from research.engine.compile_cache import enable_compilation_cache
+
+    enable_compilation_cache(os.environ["RESEARCH_JAX_CACHE_DIR"])
     if os.environ.get("RESEARCH_REQUIRE_NATIVE") != "1":
         return
     import platform

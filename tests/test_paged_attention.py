@@ -11,6 +11,7 @@ scales too for quantized pages), so a read that escapes the mask shows up in the
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -440,8 +441,16 @@ def test_lowers_to_triton_for_cuda(kv):
     fn = functools.partial(_call, paged_attention, pages_per_compute_block=2, k_splits=2)
     text = jax.jit(fn).trace(case).lower(lowering_platforms=("cuda",)).as_text()
     # jaxlib <= 0.10.2 emits XLA's Triton custom call, newer ones triton_kernel_call_ffi.
-    assert "__gpu$xla.gpu.triton" in text or "triton_kernel_call_ffi" in text
+    calls = text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call_ffi")
+    assert calls == 1  # one kernel launch, nothing split into several calls
     assert f"paged_attention_{'auto' if kv == 'bf16' else kv}" in text
+    # The kernel reads the pool as stored: fp8 / int4 pages reach it as their codes, and no
+    # dequantized copy of the whole pool [K, pages, P, E] exists in the program.
+    pool = "2x10x16x128"  # kv_heads, batch * pages_per_seq + 2, page_size, head_dim
+    stored = {"bf16": f"{pool}xbf16", "fp8": f"{pool}xf8E4M3FN", "int4": "2x10x16x64xui8"}[kv]
+    assert f"tensor<{stored}>" in text, kv  # int4: two codes per byte
+    if kv != "bf16":
+        assert not re.search(rf"tensor<{pool}x(f32|bf16|f16)>", text), kv
 
 
 # ---- validation ----------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The short soak (about a minute), in its own process so its memory is its own: mixed
 streaming, disconnects and invalid requests against a tiny-llama server on loopback; no 5xx or
-unexpected status, the KV pool idle at the end, no step shape compiled after the warmup, and
-RSS not growing over the timed part (least-squares slope under a bound).
+unexpected status, the KV pool idle at the end, no step waiting for a compile after the warmup,
+and RSS not growing over the timed part (least-squares slope under a bound).
 ``python -m experiments.soak --minutes N`` is the long version."""
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ def test_short_soak_in_its_own_process(tmp_path, capsys):
     assert summary["completed"] > 0
     assert summary["idle_at_end"]["kv_blocks_used"] == 0
     assert summary["idle_at_end"]["running"] == summary["idle_at_end"]["waiting"] == 0
-    assert summary["compiled_after_warmup"] == 0, summary["step_shapes_compiled"]
+    # After the warmup no step waits for a compile: a new shape runs padded to a compiled
+    # cover while its own compiles in the background (those are counted, not forbidden).
+    assert summary["step_compiles_after_warmup"] == 0, summary
+    assert summary["compiled_after_warmup"] <= summary["covered_calls"]
     assert len(summary["rss_mb"]) >= 5
     assert summary["rss_slope_mb_per_min"] < MAX_RSS_SLOPE, summary["rss_mb"]
     assert summary["ok"] and proc.returncode == 0

@@ -95,6 +95,7 @@ class CompileManager:
         self.writes: dict[int, Any] = {}  # N -> compiled K/V write
         self.compile_in_background = False
         self.covered_calls = 0  # steps run padded to a cover
+        self.step_compiles = 0  # shapes first compiled inside a step (a step that waited)
         self._pending: set[Shape] = set()
         self._lock = threading.Lock()
         self._compiler: ThreadPoolExecutor | None = None
@@ -191,6 +192,8 @@ class CompileManager:
                 self.covered_calls += 1
                 shape = cover
         with self._lock:
+            if shape not in self.shapes:
+                self.step_compiles += 1  # jitted by this step: it waits for the compile
             self.shapes.add(shape)
             return shape, self.compiled.get(shape), self.writes.get(shape[0])
 

@@ -213,6 +213,12 @@ class ModelExecutor:
         return self.compiler.covered_calls
 
     @property
+    def step_compiles(self) -> int:
+        """Step shapes compiled inside a step (the step waited for XLA), as opposed to ahead
+        of time or in the background while a cover served."""
+        return self.compiler.step_compiles
+
+    @property
     def compile_in_background(self) -> bool:
         return self.compiler.compile_in_background
 
