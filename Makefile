@@ -1,6 +1,6 @@
 # Two commands on a fresh machine:
 #   make run    the main job: a concurrency sweep of SmolLM2-135M on CPU (bundled weights)
-#   make test   lint (ruff) and run the whole test suite
+#   make test   lint (ruff) and the test suite (its slow tier: make test-slow; CI runs both)
 # Both create and reuse a virtual environment in .venv.
 
 PYTHON ?= python3
@@ -8,7 +8,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint format clean
+.PHONY: run test test-slow test-all lint format clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +35,15 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# The suite in two tiers: `make test` (every test not marked slow; 15 minutes or less on two
+# cores) and `make test-slow` (statistical and long end-to-end runs). CI runs both.
 test: lint
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -m "not slow"
+
+test-slow: $(STAMP)
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -m slow
+
+test-all: lint
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q
 
 clean:

@@ -38,17 +38,69 @@ _JAX_OPTIONS = (
 )
 
 
+# The slow tier (``make test-slow``; CI runs it after ``make test``): tests measured at 10 s or
+# more each on a 2-core machine with cold caches (``pytest --durations``), long end-to-end runs
+# on real weights, statistical samplers and multi-process runs. Each property keeps a cheaper
+# check in the fast tier (tiny models, fewer prompts, one configuration) except where noted in
+# the test itself. Node ids, parameters included.
+SLOW_TESTS = {
+    "tests/test_engine_smollm2.py::test_batch_invariance_32_prompts",
+    "tests/test_ragged_attention.py::test_engine_greedy_tokens_with_pallas_equal_xla_on_mixed_steps",
+    "tests/test_precompile.py::test_speculative_serving_on_covers_never_compiles_a_verification_in_a_step",
+    "tests/test_experiments.py::test_real_tensor_parallel_and_replicas_run_from_hydra[hardware.num_replicas=2-ours-x2]",
+    "tests/test_native_gemm.py::test_smollm2_bf16_through_the_kernel_matches_xla",
+    "tests/test_serve_text.py::test_streamed_text_equals_the_non_streamed_text_for_every_stop_string",
+    "tests/test_speculative.py::test_smollm2_greedy_outputs_identical_with_ngram_speculation",
+    "tests/test_engine_smollm2.py::test_memory_pressure_preempts_and_loses_nothing",
+    "tests/test_native_attention.py::test_smollm2_greedy_native_equals_xla",
+    "tests/test_parallel.py::test_smollm2_tensor_parallel_3_matches_one_device",
+    "tests/test_router.py::test_two_replica_processes_behind_the_router_lose_nothing",
+    "tests/test_speculative.py::test_speculation_under_memory_pressure_loses_nothing[ngram]",
+    "tests/test_speculative.py::test_speculation_under_memory_pressure_loses_nothing[draft_model]",
+    "tests/test_precompile.py::test_serving_on_covers_never_compiles_in_a_step_and_keeps_the_tokens",
+    "tests/test_ragged_step.py::test_persistent_input_batch_equals_a_fresh_build_every_step",
+    "tests/test_ragged_step.py::test_every_step_is_one_forward_pass_whatever_the_mix[spec1]",
+    "tests/test_quantized_smollm2.py::test_pallas_interpret_backend_matches_xla_greedy",
+    "tests/test_gpt_oss.py::test_pallas_backend_serves_gpt_oss_like_xla",
+    "tests/test_engine_smollm2.py::test_isolation_nan_pool_matches_clean_run",
+    "tests/test_quantized_smollm2.py::test_pallas_interpret_with_int4_kv_matches_xla",
+    "tests/test_speculative.py::test_greedy_outputs_identical_with_ngram_speculation",
+    "tests/test_ragged_step.py::test_greedy_tokens_do_not_depend_on_the_batch",
+    "tests/test_engine.py::test_narrow_kv_pages_are_written_in_place_and_never_read_unwritten[fp8]",
+    "tests/test_engine.py::test_narrow_kv_pages_are_written_in_place_and_never_read_unwritten[auto]",
+    "tests/test_quantized_smollm2.py::test_quantized_weights_through_the_kernels_match_xla[tiny-qwen3-moe-nvfp4]",
+    "tests/test_quantized_smollm2.py::test_quantized_weights_through_the_kernels_match_xla[tiny-llama-awq]",
+    "tests/test_quantized_smollm2.py::test_quantized_weights_through_the_kernels_match_xla[tiny-qwen3-moe-fp8]",
+    "tests/test_precompile.py::test_predicted_shapes_are_the_runs_and_nothing_compiles_inside_it[pool that forces preemption]",
+    "tests/test_distributed.py::test_two_processes_match_one",
+    "tests/test_serve.py::test_a_burst_beyond_the_queue_bound_gets_429s_and_the_admitted_complete",
+    "tests/test_precompile.py::test_a_second_start_reads_compiled_steps_from_the_persistent_cache",
+    "tests/test_experiments.py::test_real_tensor_parallel_and_replicas_run_from_hydra[hardware.tensor_parallel_size=2-ours-tp2]",
+    "tests/test_serve.py::test_logprobs_through_the_openai_client",
+    "tests/test_serve.py::test_chat_streams_as_vllm_bench_serve_openai_chat_sends_them",
+    "tests/test_speculative.py::test_llm_accepts_vllms_speculative_config",
+    "tests/test_experiments.py::test_preemptions_are_said",
+    "tests/test_serve.py::test_a_peer_server_and_ours_in_one_comparison",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks ``SLOW_TESTS`` slow; a listed test that no longer exists is an error (the list
+    would silently stop moving it)."""
+    found = set()
+    for item in items:
+        if item.nodeid in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+            found.add(item.nodeid)
+    # Only a whole-suite collection can tell a stale entry from a deselected one.
+    whole = config.args in ([], ["tests"]) and not config.getoption("keyword")
+    if whole and (stale := SLOW_TESTS - found):
+        raise pytest.UsageError(f"SLOW_TESTS names tests that do not exist: {sorted(stale)}")
+
+
 def pytest_sessionstart(session):
-    """JAX's persistent compilation cache on for the whole session, in the run's temporary
-    folder: every module sees the same setting (none turns it on for the ones after it), and a
-    step shape compiled by one module is read back by the next (``_free_compiled_executables``
-    drops the in-memory executables between modules).
-
-    ``RESEARCH_REQUIRE_NATIVE=1`` (CI): a native kernel family that does not build fails the
+    """``RESEARCH_REQUIRE_NATIVE=1`` (CI): a native kernel family that does not build fails the
     run instead of skipping its tests and leaving the engine on the XLA path unnoticed."""
-    from research.engine.compile_cache import enable_compilation_cache
-
-    enable_compilation_cache(os.environ["RESEARCH_JAX_CACHE_DIR"])
     if os.environ.get("RESEARCH_REQUIRE_NATIVE") != "1":
         return
     import platform
