@@ -31,12 +31,11 @@ Figures get one panel per model when several models are compared (``--facet-by``
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 from typing import Any
 
 from research.bench.provenance import write_csv
-from research.bench.report import read_results
+from research.bench.report import read_results, result_files
 from research.bench.stats import (
     SERIES_AXES,
     latex_table,
@@ -50,24 +49,9 @@ DEFAULT_METRICS = ("output_throughput", "per_user_tok_s", "median_ttft_ms", "p99
 FACTORS = SERIES_AXES  # the axes a series is keyed by (kept under its old name)
 
 
-def _natural_key(path: Path) -> list[Any]:
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
-
-
 def expand(paths: list[Path]) -> list[Path]:
-    """Files as given; a directory becomes the results.jsonl files below it, natural order."""
-    files = []
-    for path in paths:
-        if path.is_dir():
-            found = sorted(path.rglob("results.jsonl"), key=_natural_key)
-            if not found:
-                raise ValueError(f"{path} is a directory with no results.jsonl below it")
-            files += found
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise ValueError(f"{path} does not exist")
-    return files
+    """``research.bench.report.result_files`` (kept under the CLI's old name)."""
+    return result_files(paths)
 
 
 def is_vllm_file(points: list[dict[str, Any]]) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -123,3 +124,25 @@ def format_table(
     ]
     lines += ["| " + " | ".join(_cell(p.get(c)) for c in columns) + " |" for p in points]
     return "\n".join(lines)
+
+
+def _natural_key(path: Path) -> list[Any]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
+
+
+def result_files(paths: Sequence[str | Path]) -> list[Path]:
+    """Files as given; a directory (a run or a Hydra multirun folder) stands for every
+    results.jsonl below it, in natural order (job 2 before job 10). ValueError for a path that
+    does not exist or a directory with no results.jsonl."""
+    files: list[Path] = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            found = sorted(path.rglob("results.jsonl"), key=_natural_key)
+            if not found:
+                raise ValueError(f"{path} is a directory with no results.jsonl below it")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise ValueError(f"{path} does not exist")
+    return files

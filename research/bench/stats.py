@@ -119,12 +119,10 @@ def series_of(
 
 
 def concurrency_of(point: Mapping[str, Any]) -> int | None:
-    if point.get("max_concurrency") is not None:
-        return int(point["max_concurrency"])
-    rate = point.get("request_rate", math.inf)
-    if rate is None or (isinstance(rate, (int, float)) and math.isinf(rate)) or rate == "inf":
-        return int(point["num_prompts"]) if point.get("num_prompts") is not None else None
-    return None
+    """``research.bench.plots.concurrency`` (imported here: plots needs matplotlib)."""
+    from research.bench.plots import concurrency
+
+    return concurrency(point)
 
 
 def summary_rows(

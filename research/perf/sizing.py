@@ -22,7 +22,6 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from research.bench.stats import SERIES_AXES
@@ -211,23 +210,6 @@ def format_sizing_table(rows: Sequence[tuple[str, SizingResult]]) -> str:
     return "\n".join(lines)
 
 
-def result_files(paths: Sequence[str | Path]) -> list[Path]:
-    """Files as given; a directory (a run or a multirun folder) stands for every results.jsonl
-    below it."""
-    files: list[Path] = []
-    for path in map(Path, paths):
-        if path.is_dir():
-            found = sorted(path.rglob("results.jsonl"))
-            if not found:
-                raise ValueError(f"{path} is a directory with no results.jsonl below it")
-            files += found
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise ValueError(f"{path} does not exist")
-    return files
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m research.perf.sizing",
@@ -251,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--z", type=float, default=POISSON_P99_Z, help="margin in Poisson sigmas")
     args = parser.parse_args(argv)
 
-    from research.bench.report import read_results
+    from research.bench.report import read_results, result_files
 
     try:
         files = result_files(args.results)
