@@ -15,12 +15,21 @@ The same traffic runs for ``--warmup-minutes`` first, untallied but checked, so 
 not dominated by the first compilation of each step shape. ``--trace-malloc`` also prints the
 Python allocations that grew most from the end of the warmup (the heap profile to read when
 RSS keeps growing).
+
+Memory is checked two ways. The object census is exact: at idle after the warmup and again
+at idle after the soak (every background compile finished, a full ``gc.collect()``), it counts
+live objects whose class comes from ``research`` or ``experiments`` and all gc-tracked objects;
+an engine or server that keeps anything per request (a finished request, its sequence, a
+stream queue) grows them by the number of requests served. RSS is sampled as well and its
+slope over the second half reported (``--max-rss-slope`` bounds it on long soaks): over a
+short soak the allocator's settling and the background compiles dominate it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import random
 import resource
@@ -31,6 +40,7 @@ from collections import Counter
 from typing import Any
 
 import httpx
+import jax
 import numpy as np
 
 from research import LLM
@@ -188,6 +198,45 @@ class Soak:
         await asyncio.gather(self._sample_rss(start, deadline), *clients)
 
 
+def object_census() -> tuple[Counter, int]:
+    """Live objects by class for classes defined in this project (plus the live JAX arrays
+    and their bytes, under ``jax:``), and all gc-tracked objects, after a full collection."""
+    gc.collect()
+    ours: Counter = Counter()
+    objects = gc.get_objects()
+    for obj in objects:
+        cls = type(obj)
+        module = getattr(cls, "__module__", "")
+        if isinstance(module, str) and module.startswith(("research", "experiments")):
+            ours[f"{module}.{cls.__qualname__}"] += 1
+    total = len(objects)
+    del objects
+    arrays = jax.live_arrays()
+    ours["jax:live_arrays"] = len(arrays)
+    ours["jax:live_array_bytes"] = sum(a.nbytes for a in arrays)
+    return ours, total
+
+
+def census_growth(before: tuple[Counter, int], after: tuple[Counter, int]) -> dict[str, Any]:
+    """What the soak left behind: per-class growth of this project's objects (classes that
+    grew only), their total, and the change in all gc-tracked objects."""
+    grew = {k: after[0][k] - before[0][k] for k in after[0] if after[0][k] > before[0][k]}
+
+    def objects(c: Counter) -> int:
+        return sum(v for k, v in c.items() if not k.startswith("jax:"))
+
+    return {
+        "project_objects_before": objects(before[0]),
+        "project_objects_growth": objects(after[0]) - objects(before[0]),
+        "live_arrays_growth": after[0]["jax:live_arrays"] - before[0]["jax:live_arrays"],
+        "live_array_bytes_growth": (
+            after[0]["jax:live_array_bytes"] - before[0]["jax:live_array_bytes"]
+        ),
+        "grew": dict(sorted(grew.items(), key=lambda kv: -kv[1])[:10]),
+        "gc_objects_growth": after[1] - before[1],
+    }
+
+
 def _idle_state(soak: Soak, timeout: float = 30.0) -> dict[str, Any]:
     """Wait for the engine to drain; the pool and queue state it settled in."""
     engine = soak.llm.engine
@@ -235,6 +284,13 @@ def run_soak(argv: list[str] | None = None) -> dict[str, Any]:
         help="fail if RSS grows faster than this many MiB per minute over the timed soak",
     )
     parser.add_argument(
+        "--max-retained-objects",
+        type=int,
+        default=None,
+        help="fail if more of this project's objects are live at idle after the soak than "
+        "at idle after the warmup, beyond this many",
+    )
+    parser.add_argument(
         "--enforce-eager",
         action="store_true",
         help="serve without compiling the covering step shapes first (as research.serve)",
@@ -254,6 +310,9 @@ def run_soak(argv: list[str] | None = None) -> dict[str, Any]:
         if args.warmup_minutes > 0:
             warmup.args.minutes = args.warmup_minutes
             asyncio.run(warmup.run())
+        _idle_state(warmup)
+        settled = llm.engine.executor.wait_for_background_compiles()
+        census_before = object_census()
         compiled_in_warmup = llm.engine.num_compilations
         step_compiles_in_warmup = llm.engine.executor.step_compiles
         baseline = tracemalloc.take_snapshot() if args.trace_malloc else None
@@ -262,6 +321,8 @@ def run_soak(argv: list[str] | None = None) -> dict[str, Any]:
         asyncio.run(soak.run())
         duration = time.monotonic() - t0
         idle = _idle_state(soak)
+        settled = llm.engine.executor.wait_for_background_compiles() and settled
+        census = census_growth(census_before, object_census())
     growth = []
     if baseline is not None:
         stats = tracemalloc.take_snapshot().compare_to(baseline, "lineno")
@@ -293,6 +354,11 @@ def run_soak(argv: list[str] | None = None) -> dict[str, Any]:
         # calls run padded to a compiled cover while their own shape compiled in the background
         "covered_calls": getattr(llm.engine.executor, "covered_calls", 0),
         "idle_at_end": idle,
+        "background_compiles_settled": settled,
+        "census": census,
+        "project_objects_per_request": round(
+            census["project_objects_growth"] / max(1, sum(soak.statuses.values())), 4
+        ),
         "unexpected": (warmup.unexpected + soak.unexpected)[:20],
         "num_unexpected": len(warmup.unexpected) + len(soak.unexpected),
         "heap_growth": growth,
@@ -302,6 +368,10 @@ def run_soak(argv: list[str] | None = None) -> dict[str, Any]:
         and soak.completed > 0
         and idle["running"] == idle["waiting"] == idle["kv_blocks_used"] == 0
         and idle["metrics_kv_blocks_used"] == 0
+        and (
+            args.max_retained_objects is None
+            or census["project_objects_growth"] <= args.max_retained_objects
+        )
         and (args.max_rss_slope is None or summary["rss_slope_mb_per_min"] <= args.max_rss_slope)
     )
     if args.json:

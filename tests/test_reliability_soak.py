@@ -1,8 +1,11 @@
 """The short soak (about a minute), in its own process so its memory is its own: mixed
 streaming, disconnects and invalid requests against a tiny-llama server on loopback; no 5xx or
 unexpected status, the KV pool idle at the end, no step waiting for a compile after the warmup,
-and RSS not growing over the timed part (least-squares slope under a bound).
-``python -m experiments.soak --minutes N`` is the long version."""
+and nothing retained per request: the census of this project's live objects and of live JAX
+arrays at idle after the soak matches the one at idle after the warmup, up to the few objects
+the last step still references. (RSS is reported, not bounded here: over 30 s its slope is set
+by the allocator settling and background compiles, 1 to 55 MiB/min in runs without a leak;
+``python -m experiments.soak --minutes N --max-rss-slope S`` bounds it on the long version.)"""
 
 from __future__ import annotations
 
@@ -13,9 +16,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# MiB per minute. A leak of one small object per request (~1 KiB at ~100 requests/s) is
-# ~6 MiB/min; the allocator's settling after the warmup is well under this.
-MAX_RSS_SLOPE = 30.0
+# The last step's inputs, pool and sequence stay referenced until the next step: a handful
+# of objects whatever the traffic. Keeping one object per finished request leaves thousands
+# (engine retaining its finished sequences: +15,488 over ~5,000 requests).
+MAX_RETAINED_OBJECTS = 50
 
 
 def test_short_soak_in_its_own_process(tmp_path, capsys):
@@ -39,6 +43,10 @@ def test_short_soak_in_its_own_process(tmp_path, capsys):
     # cover while its own compiles in the background (those are counted, not forbidden).
     assert summary["step_compiles_after_warmup"] == 0, summary
     assert summary["compiled_after_warmup"] <= summary["covered_calls"]
+    assert summary["background_compiles_settled"]
+    census = summary["census"]
+    assert census["project_objects_before"] > 0  # the census sees the engine at all
+    assert census["project_objects_growth"] <= MAX_RETAINED_OBJECTS, census
+    assert census["live_arrays_growth"] <= 10, census
     assert len(summary["rss_mb"]) >= 5
-    assert summary["rss_slope_mb_per_min"] < MAX_RSS_SLOPE, summary["rss_mb"]
     assert summary["ok"] and proc.returncode == 0

@@ -197,6 +197,16 @@ class CompileManager:
             self.shapes.add(shape)
             return shape, self.compiled.get(shape), self.writes.get(shape[0])
 
+    def wait_for_background(self, timeout: float = 120.0) -> bool:
+        """Block until no background compile is pending (True) or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._pending:
+                    return True
+            time.sleep(0.05)
+        return False
+
     def _compile_later(self, shape: Shape) -> None:
         with self._lock:
             if shape in self._pending or shape in self.shapes:

@@ -218,6 +218,9 @@ class ModelExecutor:
         of time or in the background while a cover served."""
         return self.compiler.step_compiles
 
+    def wait_for_background_compiles(self, timeout: float = 120.0) -> bool:
+        return self.compiler.wait_for_background(timeout)
+
     @property
     def compile_in_background(self) -> bool:
         return self.compiler.compile_in_background
