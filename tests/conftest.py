@@ -95,6 +95,7 @@ SLOW_TESTS = {
     "tests/test_serve.py::test_completions_prompt_logprobs_as_vllm",
     "tests/test_parallel.py::test_fp8_weights_split_with_their_scales",
     "tests/test_parity_smollm2.py::test_logprobs_do_not_change_tokens",
+    "tests/test_engine_smollm2.py::test_prefix_caching_hits_and_matches_uncached",
 }
 
 

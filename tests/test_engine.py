@@ -225,6 +225,32 @@ def test_llm_logs_its_kv_pool_at_start(caplog):
     assert "maximum concurrency for 128 tokens per request: 2.00x" in caplog.text
 
 
+def test_prefix_cache_hits_give_the_tokens_an_uncached_engine_gives(model):
+    """Four prompts sharing a 32-token prefix, the first alone: the other three reuse its eight
+    blocks (the hit rate counts exactly those tokens) and generate the tokens an engine without
+    the cache computes from scratch."""
+    cfg, params = model
+    prefix = list(range(100, 132))
+    prompts = [[*prefix, 200 + i, 210 + i, 220 + i] for i in range(4)]
+    got = {}
+    for caching in (True, False):
+        engine = Engine(
+            cfg,
+            params,
+            cache_config=CacheConfig(block_size=4, num_kv_blocks=64, enable_prefix_caching=caching),
+            scheduler_config=SchedulerConfig(max_num_seqs=8),
+            max_model_len=128,
+        )
+        first = engine.generate(prompts[:1], [GREEDY])
+        rest = engine.generate(prompts[1:], [GREEDY] * 3)
+        got[caching] = ([o.token_ids for o in first + rest], engine.block_manager)
+    (cached, bm), (uncached, plain) = got[True], got[False]
+    assert cached == uncached
+    assert bm.prefix_cache_hit_rate == pytest.approx(3 * 32 / (4 * 35))
+    assert plain.prefix_cache_hit_rate == 0.0
+    assert bm.num_free_blocks == bm.num_blocks
+
+
 def test_prompt_logprobs_survive_chunking_prefix_caching_and_preemption(model):
     """Prompt log-probabilities do not depend on how the prompt was computed: whole, in 8-token
     chunks, after an identical prompt filled the prefix cache (such a request recomputes its

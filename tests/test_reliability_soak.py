@@ -3,7 +3,7 @@ streaming, disconnects and invalid requests against a tiny-llama server on loopb
 unexpected status, the KV pool idle at the end, no step waiting for a compile after the warmup,
 and nothing retained per request: the census of this project's live objects and of live JAX
 arrays at idle after the soak matches the one at idle after the warmup, up to the few objects
-the last step still references. (RSS is reported, not bounded here: over 15 s its slope is set
+the last step still references. (RSS is reported, not bounded here: over 12 s its slope is set
 by the allocator settling and background compiles, 1 to 55 MiB/min in runs without a leak;
 ``python -m experiments.soak --minutes N --max-rss-slope S`` bounds it on the long version.)"""
 
@@ -24,8 +24,8 @@ MAX_RETAINED_OBJECTS = 50
 
 def test_short_soak_in_its_own_process(tmp_path, capsys):
     out = tmp_path / "soak.json"
-    cmd = [sys.executable, "-m", "experiments.soak", "--minutes", "0.25", "--warmup-minutes",
-           "0.2", "--concurrency", "12", "--json", str(out)]  # fmt: skip
+    cmd = [sys.executable, "-m", "experiments.soak", "--minutes", "0.2", "--warmup-minutes",
+           "0.15", "--concurrency", "12", "--json", str(out)]  # fmt: skip
     proc = subprocess.run(
         cmd, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
         text=True, timeout=600,
