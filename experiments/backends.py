@@ -353,6 +353,26 @@ class ReplicasBackend(HTTPBackend):
         e = dataclasses.replace(run.executor, base_url=url, label=f"ours-x{h.num_replicas}")
         super().__init__(dataclasses.replace(run, executor=e))
 
+    def stats(self) -> dict[str, Any]:
+        """The replicas' engine counters summed (each replica's ``/metrics``): steps, seconds
+        in steps and host seconds of those steps."""
+        import httpx
+
+        names = {
+            "research:num_steps": "num_steps",
+            "research:engine_step_seconds_total": "step_time_s",
+            "research:engine_host_seconds_total": "host_time_s",
+        }
+        out = dict.fromkeys(names.values(), 0.0)
+        routed = httpx.get(f"{self.base_url}/router/stats", timeout=30).json()
+        for replica in routed["replicas"]:
+            text = httpx.get(f"{replica['url']}/metrics", timeout=30).text
+            for line in text.splitlines():
+                name = line.split("{", 1)[0]
+                if name in names:
+                    out[names[name]] += float(line.rsplit(" ", 1)[1])
+        return out
+
     def close(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()

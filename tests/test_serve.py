@@ -223,7 +223,19 @@ def test_a_burst_beyond_the_queue_bound_gets_429s_and_the_admitted_complete(keye
 
 def test_http_benchmark_client_records_ttft_and_tpot(server):
     requests = [BenchRequest(PROMPT, 4) for _ in range(8)]
+    before = _metrics(server)
     result = run_http_benchmark(server, MODEL, requests, max_concurrency=4)
+    # The engine's own time is exported (what validate_host reads from replicas over HTTP).
+    after = _metrics(server)
+    steps, busy, host = (
+        after[k] - before[k]
+        for k in (
+            "research:num_steps",
+            "research:engine_step_seconds_total",
+            "research:engine_host_seconds_total",
+        )
+    )
+    assert steps >= 4 and 0 < host < busy < result.duration
     assert all(r.success for r in result.records), [r.error for r in result.records]
     assert all(r.output_len == 4 and len(r.token_times) == 4 for r in result.records)
     metrics = compute_metrics(result.records, result.duration)

@@ -35,6 +35,13 @@ def prometheus_text(engine_loop: EngineLoop, model_name: str) -> str:
         ("requests_rejected_total", "Requests refused because the queue was full.", c.rejected),
         ("prompt_tokens_total", "Prompt tokens of admitted requests.", c.prompt_tokens),
         ("generation_tokens_total", "Tokens generated.", c.generation_tokens),
+        ("engine_step_seconds_total", "Seconds in engine steps.", s["step_time_s"]),
+        (
+            "engine_host_seconds_total",
+            "Seconds of engine steps outside the compiled calls (scheduling, packing, "
+            "dispatch, reading the sampled tokens back).",
+            s["host_time_s"],
+        ),
     ]
     if "spec_num_drafts" in s:  # speculative decoding (vLLM's spec_decode counters)
         counters += [
