@@ -87,27 +87,11 @@ def _single_stream(run: RunConfig, backend: Any, prompt_len: int) -> dict:
     return result.metrics() | {"host_s_per_step": host}
 
 
-def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
-    from experiments.backends import EngineBackend, ReplicasBackend
-    from experiments.sweep import fresh_results, point_seeds, run_point
-    from research.bench.provenance import provenance, write_csv
-    from research.perf.host_model import SingleStream, fit_host, simulated_engine
-    from research.perf.simulated import ReplicaRouter
+def fit_single_stream(run: RunConfig, real: Any, local: Any) -> tuple[Any, Any]:
+    """The single-stream runs of ``real`` (the workload's prompt and a 4x longer one) and the
+    host model fitted on them, sized as ``local``'s engine (one replica's)."""
+    from research.perf.host_model import SingleStream, fit_host
 
-    if run.executor.kind != "real":
-        raise ValueError("experiment=validate_host measures the real engine: use executor=real")
-    out_dir = Path(out_dir)
-    results = fresh_results(out_dir)
-    config = dataclasses.asdict(run)
-    t0 = time.perf_counter()
-    replicas = run.hardware.num_replicas
-    # The engine one replica runs (with one replica: the engine measured): its sizes, pool and
-    # attention backend describe each simulated box.
-    one = dataclasses.replace(run, hardware=dataclasses.replace(run.hardware, num_replicas=1))
-    local = EngineBackend(one)
-    # With replicas, everything is measured on the deployment itself (each replica pinned to
-    # its share of the cores, behind the router): the single-stream fit included.
-    real = ReplicasBackend(run) if replicas > 1 else local
     w, s = run.workload, run.scheduler
     engine = local.llm.engine
     # The second prompt length: 4x the workload's, within max_model_len.
@@ -136,6 +120,33 @@ def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
         dtype=run.model.dtype,
         attention_backend=local.attention_backend,
     )
+    return measured, model
+
+
+def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
+    from experiments.backends import EngineBackend, ReplicasBackend
+    from experiments.sweep import fresh_results, point_seeds, run_point
+    from research.bench.provenance import provenance, write_csv
+    from research.perf.host_model import simulated_engine
+    from research.perf.simulated import ReplicaRouter
+
+    if run.executor.kind != "real":
+        raise ValueError("experiment=validate_host measures the real engine: use executor=real")
+    out_dir = Path(out_dir)
+    results = fresh_results(out_dir)
+    config = dataclasses.asdict(run)
+    t0 = time.perf_counter()
+    replicas = run.hardware.num_replicas
+    # The engine one replica runs (with one replica: the engine measured): its sizes, pool and
+    # attention backend describe each simulated box.
+    one = dataclasses.replace(run, hardware=dataclasses.replace(run.hardware, num_replicas=1))
+    local = EngineBackend(one)
+    # With replicas, everything is measured on the deployment itself (each replica pinned to
+    # its share of the cores, behind the router): the single-stream fit included.
+    real = ReplicasBackend(run) if replicas > 1 else local
+    engine = local.llm.engine
+    w = run.workload
+    measured, model = fit_single_stream(run, real, local)
     log.info(f"  {describe_fit(measured, model)}")
     cache = dataclasses.replace(engine.cache_config, num_kv_blocks=engine.block_manager.num_blocks)
     boxes = [
