@@ -266,6 +266,12 @@ def run_soak(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--concurrency", type=int, default=16, help="clients at once")
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=256)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the step's token budget (default: the engine's); fewer step shapes to compile",
+    )
     parser.add_argument("--max-tokens", type=int, default=32, help="largest max_tokens asked")
     parser.add_argument("--max-waiting", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
@@ -299,7 +305,14 @@ def run_soak(argv: list[str] | None = None) -> dict[str, Any]:
     if not 0 < args.minutes <= 24 * 60:
         parser.error("--minutes must be in (0, 1440]")
 
-    llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+    budget = (
+        {}
+        if args.max_num_batched_tokens is None
+        else {"max_num_batched_tokens": args.max_num_batched_tokens}
+    )
+    llm = LLM(
+        args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, **budget
+    )
     if not args.enforce_eager:
         llm.engine.executor.precompile_covers()
     app = create_app(llm, served_model_name=MODEL_NAME, max_waiting=args.max_waiting)

@@ -25,7 +25,8 @@ MAX_RETAINED_OBJECTS = 50
 def test_short_soak_in_its_own_process(tmp_path, capsys):
     out = tmp_path / "soak.json"
     cmd = [sys.executable, "-m", "experiments.soak", "--minutes", "0.2", "--warmup-minutes",
-           "0.15", "--concurrency", "12", "--json", str(out)]  # fmt: skip
+           "0.15", "--concurrency", "12", "--max-num-batched-tokens", "64",
+           "--json", str(out)]  # fmt: skip
     proc = subprocess.run(
         cmd, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
         text=True, timeout=600,
