@@ -358,6 +358,8 @@ class ReplicasBackend(HTTPBackend):
         in steps and host seconds of those steps."""
         import httpx
 
+        from research.serve.metrics import metric_samples
+
         names = {
             "research:num_steps": "num_steps",
             "research:engine_step_seconds_total": "step_time_s",
@@ -367,10 +369,9 @@ class ReplicasBackend(HTTPBackend):
         routed = httpx.get(f"{self.base_url}/router/stats", timeout=30).json()
         for replica in routed["replicas"]:
             text = httpx.get(f"{replica['url']}/metrics", timeout=30).text
-            for line in text.splitlines():
-                name = line.split("{", 1)[0]
+            for name, _, value in metric_samples(text):
                 if name in names:
-                    out[names[name]] += float(line.rsplit(" ", 1)[1])
+                    out[names[name]] += value
         return out
 
     def close(self) -> None:

@@ -31,7 +31,6 @@ def step_errors(concurrency: int, overrides: list[str]) -> dict[str, Any]:
     from experiments.validate_host import describe_fit, fit_single_stream
     from research.bench import run_benchmark
     from research.config import register_configs, run_config_from
-    from research.perf.cost_model import step_shape_from_plan
 
     register_configs()
     with initialize_config_dir(config_dir=CONFIGS, version_base=None):
@@ -45,27 +44,23 @@ def step_errors(concurrency: int, overrides: list[str]) -> dict[str, Any]:
     backend.precompile(requests, concurrency)
 
     steps: list[tuple[Any, float]] = []
-    step, execute = engine.step, engine.executor.execute
-    plans: list[Any] = []
+    step = engine.step
+    with backend.recording_steps() as shapes:
 
-    def recorded(plan: Any) -> Any:
-        plans.append(plan)
-        return execute(plan)
+        def timed() -> Any:
+            before = len(shapes)
+            t = time.perf_counter()
+            out = step()
+            dt = time.perf_counter() - t
+            if len(shapes) > before and shapes[-1].seqs:  # a step that ran tokens
+                steps.append((shapes[-1], dt))
+            return out
 
-    def timed() -> Any:
-        plans.clear()
-        t = time.perf_counter()
-        out = step()
-        dt = time.perf_counter() - t
-        if plans and not plans[0].is_empty:
-            steps.append((step_shape_from_plan(plans[0]), dt))
-        return out
-
-    engine.step, engine.executor.execute = timed, recorded
-    try:
-        run_benchmark(engine, requests, max_concurrency=concurrency)
-    finally:
-        del engine.step, engine.executor.execute
+        engine.step = timed
+        try:
+            run_benchmark(engine, requests, max_concurrency=concurrency)
+        finally:
+            del engine.step
     kinds: dict[str, list[tuple[float, float]]] = defaultdict(list)
     prefills = []
     for shape, seconds in steps:

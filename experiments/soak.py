@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import random
 import resource
@@ -40,12 +39,13 @@ from collections import Counter
 from typing import Any
 
 import httpx
-import jax
 import numpy as np
 
+from experiments.census import census_growth, object_census
 from research import LLM
 from research.serve import create_app
 from research.serve.background import serve_in_thread
+from research.serve.metrics import metric_samples
 
 MODEL_NAME = "soak"
 
@@ -198,45 +198,6 @@ class Soak:
         await asyncio.gather(self._sample_rss(start, deadline), *clients)
 
 
-def object_census() -> tuple[Counter, int]:
-    """Live objects by class for classes defined in this project (plus the live JAX arrays
-    and their bytes, under ``jax:``), and all gc-tracked objects, after a full collection."""
-    gc.collect()
-    ours: Counter = Counter()
-    objects = gc.get_objects()
-    for obj in objects:
-        cls = type(obj)
-        module = getattr(cls, "__module__", "")
-        if isinstance(module, str) and module.startswith(("research", "experiments")):
-            ours[f"{module}.{cls.__qualname__}"] += 1
-    total = len(objects)
-    del objects
-    arrays = jax.live_arrays()
-    ours["jax:live_arrays"] = len(arrays)
-    ours["jax:live_array_bytes"] = sum(a.nbytes for a in arrays)
-    return ours, total
-
-
-def census_growth(before: tuple[Counter, int], after: tuple[Counter, int]) -> dict[str, Any]:
-    """What the soak left behind: per-class growth of this project's objects (classes that
-    grew only), their total, and the change in all gc-tracked objects."""
-    grew = {k: after[0][k] - before[0][k] for k in after[0] if after[0][k] > before[0][k]}
-
-    def objects(c: Counter) -> int:
-        return sum(v for k, v in c.items() if not k.startswith("jax:"))
-
-    return {
-        "project_objects_before": objects(before[0]),
-        "project_objects_growth": objects(after[0]) - objects(before[0]),
-        "live_arrays_growth": after[0]["jax:live_arrays"] - before[0]["jax:live_arrays"],
-        "live_array_bytes_growth": (
-            after[0]["jax:live_array_bytes"] - before[0]["jax:live_array_bytes"]
-        ),
-        "grew": dict(sorted(grew.items(), key=lambda kv: -kv[1])[:10]),
-        "gc_objects_growth": after[1] - before[1],
-    }
-
-
 def _idle_state(soak: Soak, timeout: float = 30.0) -> dict[str, Any]:
     """Wait for the engine to drain; the pool and queue state it settled in."""
     engine = soak.llm.engine
@@ -244,11 +205,11 @@ def _idle_state(soak: Soak, timeout: float = 30.0) -> dict[str, Any]:
     while engine.has_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.2)  # let the last aborts land
-    gauges = {}
-    for line in httpx.get(f"{soak.url}/metrics").text.splitlines():
-        if line.startswith("research:") and "finished_reason" not in line:
-            name, value = line.split("{")[0], line.rsplit(" ", 1)[1]
-            gauges[name.removeprefix("research:")] = float(value)
+    gauges = {
+        name.removeprefix("research:"): value
+        for name, labels, value in metric_samples(httpx.get(f"{soak.url}/metrics").text)
+        if name.startswith("research:") and "finished_reason" not in labels
+    }
     return {
         "running": len(engine.scheduler.running),
         "waiting": len(engine.scheduler.waiting),

@@ -5,6 +5,19 @@ from __future__ import annotations
 from research.serve.engine_loop import EngineLoop
 
 
+def metric_samples(text: str) -> list[tuple[str, str, float]]:
+    """(name, labels, value) of every sample in Prometheus text (``prometheus_text``'s or a
+    peer's), comments skipped; labels as written between the braces ("" when none)."""
+    samples = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        sample, value = line.rsplit(" ", 1)
+        name, _, labels = sample.partition("{")
+        samples.append((name, labels.rstrip("}"), float(value)))
+    return samples
+
+
 def prometheus_text(engine_loop: EngineLoop, model_name: str) -> str:
     """The server's gauges and counters in Prometheus' text format, ``research:`` prefixed."""
     s, c = engine_loop.stats, engine_loop.counters
