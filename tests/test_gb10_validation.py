@@ -18,6 +18,10 @@ from research.perf.validation import (
     LLAMA_CPP_SOURCES,
     PROFILES,
     Point,
+    _base_params,
+    cost_model,
+    eager_layer_overhead,
+    first_timed_run,
     growth,
     is_fit_point,
     load_points,
@@ -109,41 +113,133 @@ def test_fitted_parameters_see_only_the_fit_points():
     assert params == params2
     assert [r.predicted for r in rows] == [r.predicted for r in rows2]
     fitted = [r for r in rows if r.fitted]
-    # Two per model, one shared (attention), one gpt-oss-120b routing shape point.
+    # Two per model, one shared (attention), one gpt-oss-120b routing shape point. The 120b
+    # fits two efficiencies to three points (its shape is one mean over three revisions), so
+    # least squares meets its points within 2.5%, the others exactly.
     assert len(fitted) == 2 * len(GGUF_MODELS) + 1 + len(prof.routing_fit)
-    assert all(abs(r.error) < 0.02 for r in fitted)
+    assert all(abs(r.error) < 0.03 for r in fitted)
+    assert all(abs(r.error) < 0.001 for r in fitted if "120b" not in r.point.model)
 
 
-def test_one_512_token_prompt_prefills_at_half_rate_on_moe_models_only():
-    """Why the prefill rate is fitted on llama-bench pp2048 and not on the batched bench's first
-    row: one 512-token prompt prefills at under 60% of the rate of two (too few routed rows per
-    expert for the GEMM tiles) on every MoE, while the dense model's rate is the same."""
+def test_one_prompt_moe_prefill_costs_about_what_two_do():
+    """The batched bench's first row is not a fit point: on every MoE one 512-token prompt takes
+    at least 85% of the time two take (the dense model: under 60%). Most of it is MMQ's tile
+    padding (next test); on gpt-oss-20b one prompt even takes LONGER than two in every
+    revision, a cost of the process's first prompt-sized forward that no step price whose time
+    grows with its tokens can hold."""
     data = json.loads(DATA.read_text())["records"]
     for source in LLAMA_CPP_SOURCES:
         for model in GGUF_MODELS:
-            rate = {r["batch"]: r["s_pp_tok_s"] for r in data if r["source"] == source
-                    and r["model"] == model and r.get("tool") == "llama-batched-bench"
-                    and r["pp"] == 512}  # fmt: skip
+            t = {r["batch"]: r["t_pp_s"] for r in data if r["source"] == source
+                 and r["model"] == model and r.get("tool") == "llama-batched-bench"
+                 and r["pp"] == 512}  # fmt: skip
             if model == DENSE:
-                assert rate[1] > 0.95 * rate[2], source
+                assert t[1] < 0.6 * t[2], source
             else:
-                assert rate[1] < 0.6 * rate[2], (source, model)
+                assert t[1] > 0.85 * t[2], (source, model)
+            if model == GPT_OSS_20B:
+                assert t[1] > t[2], source
+    rows, _ = validate([p for p in load_points() if p.source == LLAMA_CPP_SOURCES[0]])
+    first = [r for r in rows if first_timed_run(r.point)]
+    assert {r.point.label for r in first} == {"batched pp B=1 pp=512"} and len(first) == 4
+    for r in first:
+        two = next(x for x in rows if x.point.key == r.point.key
+                   and x.point.label == "batched pp B=2 pp=512")  # fmt: skip
+        assert 512 / r.predicted <= 1024 / two.predicted  # the model's step grows with tokens
+
+
+def test_mmq_tiles_are_llama_cpp_widths_and_padding_is_exact_at_width_one():
+    assert [routing.mmq_tile(n) for n in (1, 2, 8, 9, 40, 47, 50, 128, 129, 512, 2048)] == [
+        8, 8, 8, 16, 40, 48, 64, 128, 80, 128, 128,
+    ]  # fmt: skip
+    for sigma in (0.0, 1.26):
+        assert routing.lognormal_padded_rows(128, 8, 300, sigma, 1) == pytest.approx(2400, 1e-6)
+        padded = routing.lognormal_padded_rows(128, 8, 512, sigma, 128)
+        # ~32 rows an expert, one tile each (a popular expert's rows may take two)
+        assert 4096 * 3.5 < padded < 1.05 * 128 * 128
+    big = routing.lognormal_padded_rows(32, 4, 100_000, 0.0, 128)
+    assert 400_000 <= big < 400_000 * 1.02  # thousands of rows an expert: little padding
+
+
+def test_mmq_tile_padding_explains_one_prompt_moe_prefills():
+    """A 512-token prompt gives gpt-oss-120b's 128 experts 16 rows each and Qwen3's 32, each
+    computed as a 128-column tile. Without the padding their one-prompt prefills are predicted
+    60% or more too fast in every revision; with it within 30%, nothing refitted on them."""
+    moes = ("ggml-org/gpt-oss-120b-GGUF", QWEN3)
+    pts = [p for p in load_points() if p.model in moes]
+    prof = PROFILES["llama.cpp"]
+    padded, _ = validate(pts)
+    try:
+        PROFILES["llama.cpp"] = dataclasses.replace(prof, expert_tiles=None)
+        exact, _ = validate(pts)
+    finally:
+        PROFILES["llama.cpp"] = prof
+
+    def first_errors(rows):
+        return [r.error for r in rows if first_timed_run(r.point)]
+
+    assert len(first_errors(padded)) == 2 * len(LLAMA_CPP_SOURCES)
+    assert all(e > 0.6 for e in first_errors(exact))
+    assert all(abs(e) < 0.30 for e in first_errors(padded))
+
+
+def test_eager_steps_pay_the_measured_per_layer_host_cost():
+    """llama.cpp's own A/B on a DGX Spark (PR #19645): graphs off costs 3.5 ms per step at 2
+    and at 3 token rows of a 47-layer MoE, 75 us per layer. The profile charges it to every
+    step of more than one row and to none of one row."""
+    per_layer = eager_layer_overhead()
+    assert 70e-6 < per_layer < 80e-6
+    prof = PROFILES["llama.cpp"]
+    params = dataclasses.replace(_base_params(prof), bandwidth_efficiency=0.9)
+    cm = cost_model(GPT_OSS_20B, params, prof)
+    graphed = cost_model(GPT_OSS_20B, params, prof, graph_max_tokens=None)
+    layers = cm.cfg.num_layers
+    one, two = StepShape.decode(1, 512), StepShape.decode(2, 512)
+    assert cm.step_time(one) == pytest.approx(graphed.step_time(one))
+    assert cm.step_time(two) - graphed.step_time(two) == pytest.approx(layers * per_layer)
+
+
+def test_without_the_eager_host_cost_two_row_moe_decodes_miss_by_more_than_30_percent():
+    """The mechanism behind the B=2 decode rows: priced as if graphs replayed them, 6 or more
+    gpt-oss B=2 decode rows miss by more than 30% (+39% to +44%) in the builds before
+    llama.cpp#19645; with the measured eager cost, at most one does."""
+    pts = [p for p in load_points() if p.source != LLAMA_CPP_SOURCES[2]
+           and p.model.startswith("ggml-org/gpt-oss") and p.batch == 2
+           and p.metric == "decode_tok_s"]  # fmt: skip
+    assert len(pts) == 2 * 2 * 3
+    prof = PROFILES["llama.cpp"]
+    models = {p.model for p in pts}
+    every = [p for p in load_points() if p.model in models and p.source != LLAMA_CPP_SOURCES[2]]
+
+    def misses(rows):
+        return sum(abs(r.error) > 0.30 for r in rows if r.point in pts)
+
+    with_eager, _ = validate(every)
+    try:
+        PROFILES["llama.cpp"] = dataclasses.replace(prof, graph_max_tokens=None)
+        without, _ = validate(every)
+    finally:
+        PROFILES["llama.cpp"] = prof
+    assert misses(without) >= 6
+    assert misses(with_eager) <= 1
 
 
 def test_out_of_sample_errors_are_bounded(validated):
-    """Every point not fitted (522): median error 4.0% today. The bounds guard today's accuracy
-    with a little room; the goal (10% median, none beyond 30%) is met on the median only: the
-    17 points beyond 30% are one-prompt MoE prefills, B=2 MoE decodes and Qwen3 decodes at
-    B >= 16 (docs/experiments/gb10_validation.md)."""
+    """Every point not fitted (522): median error 3.3% today, 3 beyond 30%: gpt-oss-20b's first
+    timed runs (+41% to +71%, test above). Every other point is within 30%. The bounds guard
+    today's accuracy with a little room."""
     rows, _ = validated
     s = summary(rows)
     assert s["points"] >= 500
-    assert s["median"] < 0.06
-    assert s["beyond_30"] <= 20
+    assert s["median"] < 0.04
+    assert s["beyond_30"] <= 3
+    rest = summary(rows, first_run=False)
+    assert rest["points"] == s["points"] - 4 * len(LLAMA_CPP_SOURCES)
+    assert rest["beyond_30"] == 0
     decode = summary([r for r in rows if r.point.metric == "decode_tok_s"])
-    assert decode["median"] < 0.08
+    assert decode["median"] < 0.05 and decode["beyond_30"] == 0
     dense = summary([r for r in rows if r.point.model == DENSE])
-    assert dense["median"] < 0.06 and dense["beyond_30"] == 0
+    assert dense["median"] < 0.04 and dense["beyond_30"] == 0
 
 
 def test_moe_decode_growth_with_batch(validated):
@@ -160,8 +256,8 @@ def test_moe_decode_growth_with_batch(validated):
 
 def test_routing_law_and_combine_mode_are_what_fits_the_shape_of_the_curves():
     """Structure, not parameters: with the uniform law Qwen3's growth error is 1.5x larger; with
-    overlapped (max) GEMMs everywhere the dense model's growth misses by more than 25% (+29%;
-    +-3% with the profile's additive dense GEMMs)."""
+    overlapped (max) GEMMs everywhere the dense model's growth misses by more than 20% (+23%;
+    -7% with the profile's additive dense GEMMs)."""
     lognormal, _ = validate(moe_routing="lognormal")
     uniform, _ = validate(moe_routing="uniform")
 
@@ -176,7 +272,7 @@ def test_routing_law_and_combine_mode_are_what_fits_the_shape_of_the_curves():
         rows, _ = validate([p for p in load_points() if p.model == DENSE])
     finally:
         PROFILES["llama.cpp"] = prof
-    assert all(abs(b / a - 1) > 0.25 for a, b in growth(rows).values())
+    assert all(abs(b / a - 1) > 0.20 for a, b in growth(rows).values())
 
 
 def test_point_labels_are_unique_per_source_and_model():

@@ -8,6 +8,7 @@ tokens and pages read, query-key pairs) and prices every kernel class on its own
     op_time  = max(op_bytes / (bandwidth_efficiency * hw.achievable_bandwidth),
                    op_flops / op_throughput)                       (per operator class)
     step     = sum(op_time / split) + collectives + per_step_overhead_s + per_seq_overhead_s * seqs
+               + eager_layer_overhead_s * layers     (steps of more rows than ``graph_max_tokens``)
 
 Operator classes (``CostModel.breakdown`` keeps each one's bytes, FLOPs and seconds):
 
@@ -86,6 +87,8 @@ from research.perf.routing import (
     distinct_experts,
     expected_distinct_experts,
     load_sigma,
+    lognormal_padded_rows,
+    mmq_tile,
 )
 from research.quant.layout import EXPERT_KEYS, quantized_keys
 
@@ -209,6 +212,10 @@ class CostParams:
         whole pages (what the GB10 fit assumes, pages priced by ``page_efficiency``); lower
         where attention gathers each row's pages into a padded copy first (our XLA path).
     moe_concentration: working-set fraction of the ``sequence_locality`` / ``hot_set`` laws.
+    eager_layer_overhead_s: host seconds per layer that a step pays when it is launched kernel by
+        kernel instead of replayed from a captured graph (``CostModel(graph_max_tokens=...)``
+        says which steps are): the launches and the framework's per-node work that a graph
+        replay skips, exposed because small decode kernels finish faster than they launch.
     """
 
     bandwidth_efficiency: float
@@ -220,6 +227,7 @@ class CostParams:
     attention_efficiency: float = 1.0
     attention_read_efficiency: float = 1.0
     moe_concentration: float = 1.0
+    eager_layer_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -277,8 +285,18 @@ class CostModel:
         moe_load_sigma: float | None = None,
         quantized_weights: tuple[str, ...] | None = None,
         weight_only: bool = False,
+        graph_max_tokens: int | None = None,
+        expert_tiles: str | None = None,
     ) -> None:
-        """``quantized_weights``: the per-layer weight keys (``wq``, ``w_gate``, ...) stored in
+        """``expert_tiles``: how the grouped expert GEMM pads each expert's routed rows; None
+        computes exactly the routed rows, ``"mmq"`` pads them to llama.cpp's MMQ column tile
+        (``routing.mmq_tile`` of the step's tokens), expected over the routing law's per-expert
+        row counts (``routing.lognormal_padded_rows``; ``lognormal`` or ``uniform`` law).
+        ``graph_max_tokens``: the most rows a step may have and still replay a captured
+        graph; a step with more runs eagerly and pays ``params.eager_layer_overhead_s`` per
+        layer (None: every step replays a graph).
+
+        ``quantized_weights``: the per-layer weight keys (``wq``, ``w_gate``, ...) stored in
         ``quantization``, plus ``lm_head`` for the output layer; None: what a checkpoint of the
         architecture quantizes (``research.quant.layout.quantized_keys``), output layer in the
         model dtype. For engines that quantize more than the checkpoint does (a vLLM build's
@@ -323,6 +341,16 @@ class CostModel:
         self.split = SplitPlan.for_model(self.cfg, tensor_parallel_size, expert_parallel)
         self.compute_dtype, self.dequantizes = gemm_format(quantization, self.hw, dtype)
         self.weight_only = weight_only
+        if graph_max_tokens is not None and graph_max_tokens < 0:
+            raise ValueError(f"graph_max_tokens must be >= 0 or None, got {graph_max_tokens}")
+        self.graph_max_tokens = graph_max_tokens
+        if expert_tiles not in (None, "mmq"):
+            raise ValueError(f"expert_tiles must be None or 'mmq', got {expert_tiles!r}")
+        if expert_tiles and moe_routing not in ("lognormal", "uniform"):
+            raise ValueError(
+                f"expert_tiles needs the lognormal or uniform law, not {moe_routing!r}"
+            )
+        self.expert_tiles = expert_tiles
         if weight_only and quantization is not None and quantization not in GGUF_FORMATS:
             self.compute_dtype, self.dequantizes = "bf16", True
         self.peak_flops = self.hw.sustained_flops(self.compute_dtype)
@@ -405,6 +433,19 @@ class CostModel:
             sigma=load_sigma(cfg.name) if self.moe_load_sigma is None else self.moe_load_sigma,
         )
 
+    def expert_rows(self, tokens: int) -> float:
+        """Token rows the grouped expert GEMM computes per layer for a call of ``tokens``:
+        ``k * tokens`` routed rows, padded to whole tiles under ``expert_tiles``."""
+        cfg = self.cfg
+        if self.expert_tiles is None or tokens <= 0:
+            return float(cfg.num_experts_per_tok * tokens)
+        sigma = 0.0
+        if self.moe_routing == "lognormal":
+            sigma = load_sigma(cfg.name) if self.moe_load_sigma is None else self.moe_load_sigma
+        return lognormal_padded_rows(
+            cfg.num_experts, cfg.num_experts_per_tok, tokens, sigma, mmq_tile(tokens)
+        )
+
     def work(self, shape: StepShape) -> list[StepWork]:
         """The kernel work of a step: one call over the packed tokens, no padding (vLLM)."""
         bs = self.block_size
@@ -459,7 +500,7 @@ class CostModel:
             ops["expert_gemm"] = (
                 experts * sum(self.expert_bytes_per_layer)
                 + w.tokens * k * (2 * d + 3 * f) * act * layers,
-                2.0 * k * self.expert_params * w.tokens * layers,
+                2.0 * self.expert_params * self.expert_rows(w.tokens) * layers,
                 bw,
                 self.gemm_throughput(expert=True),
             )
@@ -529,6 +570,8 @@ class CostModel:
         comm = sum(self.collective_time(w) for w in calls)
         kernels = sum(out[f"{op}_s"] for op in OPERATORS)
         overhead = p.per_step_overhead_s + p.per_seq_overhead_s * shape.num_seqs
+        if self.graph_max_tokens is not None and shape.num_tokens > self.graph_max_tokens:
+            overhead += p.eager_layer_overhead_s * self.cfg.num_layers
         experts = self.distinct_experts(tuple(n for n, _ in shape.seqs))
         return out | {
             "bytes_total": sum(out[f"{op}_bytes"] for op in OPERATORS),

@@ -83,6 +83,46 @@ def lognormal_distinct(num_experts: float, top_k: int, num_tokens: int, sigma: f
     return float(num_experts * (1.0 - miss))
 
 
+def mmq_tile(num_tokens: int) -> int:
+    """The column-tile width llama.cpp's MMQ kernels pick for a GEMM of ``num_tokens`` token
+    columns (``mul_mat_q_case``, tensor-core builds): the narrowest of 8, 16, ..., 40, 48, 64,
+    80, ..., 128 (multiples of 16 from 48) that needs the fewest tiles. For the grouped expert
+    GEMM the count is the ubatch's tokens (``ncols_max``), and every expert's rows are cut in
+    tiles of that width."""
+    best, tiles = 8, math.inf
+    for width in range(8, 129, 8):
+        if width >= 48 and width % 16:
+            continue
+        n = -(-num_tokens // width)
+        if n < tiles:
+            best, tiles = width, n
+    return best
+
+
+@functools.lru_cache(maxsize=4096)
+def lognormal_padded_rows(
+    num_experts: float, top_k: int, num_tokens: int, sigma: float, tile: int
+) -> float:
+    """E[sum over experts of ceil(rows_e / tile) * tile]: the token rows a grouped expert GEMM
+    computes when each expert's routed rows are padded to whole tiles. Rows of expert e are
+    Poisson with mean ``num_tokens * pi_e`` (the ``lognormal`` law's pick probabilities; sigma
+    0 is the uniform router); E[ceil(n / t)] = sum_j P(n > j t)."""
+    import numpy as np
+    from scipy.stats import poisson
+
+    if num_tokens <= 0:
+        return 0.0
+    if sigma > 0:
+        weights, pick = _lognormal_picks(float(num_experts), int(top_k), float(sigma))
+    else:
+        weights, pick = np.ones(1), np.full(1, top_k / num_experts)
+    lam = num_tokens * pick
+    jmax = int(np.ceil((lam.max() + 10 * np.sqrt(lam.max() + 1)) / tile)) + 1
+    thresholds = np.arange(jmax)[:, None] * tile  # P(n > j t) for j = 0..jmax-1
+    tiles = poisson.sf(thresholds, lam[None, :]).sum(axis=0)
+    return float(num_experts * np.sum(weights * tiles) * tile)
+
+
 @functools.lru_cache(maxsize=256)
 def _lognormal_picks(num_experts: float, top_k: int, sigma: float) -> tuple:
     """Quadrature weights and the per-node pick probabilities of ``lognormal_distinct``."""
@@ -143,13 +183,13 @@ def coverage_sigma(measured: dict = MEASURED_COVERAGE) -> float:
 
 # gpt-oss-120b: no router statistic was found. Its shape is inferred from throughput instead:
 # the mean, over the three revisions of llama.cpp's DGX Spark page, of the shape at which the
-# llama.cpp profile meets the published B=32 pp=512 decode rate (2.14, 2.06, 2.42:
+# llama.cpp profile meets the published B=32 pp=512 decode rate (2.20, 2.16, 2.36:
 # ``research.perf.validation.implied_sigma``; those three points are marked fitted in the
 # validation report, and tests/test_gb10_validation.py recomputes the mean). It is checked on
 # what it was not fitted on: vLLM's continuous-batching curve of the same model on natural text
 # (``research.perf.validation_vllm``). gpt-oss-20b's measured shape (1.0) does not carry over:
 # with it the 120b's batch-32 decode is predicted 36-45% too slow.
-INFERRED_SIGMA_GPT_OSS_120B = 2.2
+INFERRED_SIGMA_GPT_OSS_120B = 2.24
 
 # Per model family: the shape its own router's measurement gives (coverage_sigma() = 1.26 for
 # Qwen3-30B-A3B; the Coder variant shares its shapes and is assumed to share its router's
@@ -236,5 +276,7 @@ __all__ = [
     "fit_load_sigma",
     "load_sigma",
     "lognormal_distinct",
+    "lognormal_padded_rows",
+    "mmq_tile",
     "working_set",
 ]
