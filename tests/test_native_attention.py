@@ -131,7 +131,7 @@ def test_auto_resolves_to_native_on_cpu_only_where_it_serves():
     assert resolve_attention_backend("auto", jnp.bfloat16, "auto") == "native"
     assert resolve_attention_backend("auto", jnp.float32, "fp8") == "xla"
     assert resolve_attention_backend("auto", jnp.float16, "auto") == "xla"
-    assert resolve_attention_backend("auto", jnp.float32, "auto", sharded=True) == "xla"
+    assert resolve_attention_backend("auto", jnp.float32, "auto", sharded=True) == "native"
     assert "kv_cache_dtype='int4'" in native_supports(jnp.float32, "int4")
     with pytest.raises(ValueError, match=r"native.*kv_cache_dtype='fp8'"):
         resolve_attention_backend("native", jnp.float32, "fp8")

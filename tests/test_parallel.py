@@ -67,7 +67,9 @@ def _assert_split_as_the_rules_say(llm: LLM) -> None:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tiny_llama_tensor_parallel_matches_one_device(tp, reference):
+    """The native CPU kernel per device on its own heads (what ``auto`` picks on a CPU)."""
     llm = LLM("tiny-llama", tensor_parallel_size=tp, **SMALL)
+    assert llm.engine.executor.backend == "native"
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference["tiny-llama"]
     _assert_split_as_the_rules_say(llm)
     # 2 kv heads: split at TP=2; at TP=4 each kv head lives on two devices (as vLLM)
@@ -88,6 +90,12 @@ def test_moe_tensor_parallel_splits_expert_width(reference):
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference["tiny-qwen3-moe"]
     w_gate = llm.engine.executor.params["layers"][0]["w_gate"]
     assert w_gate.addressable_shards[0].data.shape == (8, 64, 16)
+
+
+def test_xla_attention_under_tensor_parallel(reference):
+    llm = LLM("tiny-llama", tensor_parallel_size=2, attention_backend="xla", **SMALL)
+    assert llm.engine.executor.backend == "xla"
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference["tiny-llama"]
 
 
 def test_pallas_paged_attention_under_tensor_parallel(reference):

@@ -73,7 +73,8 @@ def choose_attention_backend(
     device_kind: str | None = None,
 ) -> AttentionChoice:
     """``"auto"``: Pallas on a GPU, the native kernel on a CPU where it serves this pool and model
-    (float32/bfloat16 pages, one device, no sliding windows or sinks, the library built), else
+    (float32/bfloat16 pages, no sliding windows or sinks, the library built; under a tensor or
+    expert parallel plan each device runs it on its own heads, ``research.parallel.ops``), else
     the XLA reference. An explicit backend that cannot serve is an error naming why.
     ``platform`` / ``device_kind``: where the run is (default: this process's devices)."""
     platform = platform or jax.default_backend()
@@ -82,8 +83,6 @@ def choose_attention_backend(
             return AttentionChoice("pallas", f"auto: the {platform} platform")
         if platform == "gpu":
             return AttentionChoice("xla", f"auto: Pallas cannot serve {why_not}")
-        if sharded:
-            return AttentionChoice("xla", "auto: tensor/expert parallel plans run the reference")
         if (why_not := native_supports(dtype, kv_cache_dtype, cfg)) is not None:
             return AttentionChoice("xla", f"auto: the native kernel cannot serve {why_not}")
         return AttentionChoice("native", "auto: the native kernel serves this CPU")
@@ -91,14 +90,8 @@ def choose_attention_backend(
         raise ValueError(
             f"attention_backend must be 'auto' or one of {ATTENTION_BACKENDS}, got {backend!r}"
         )
-    if backend == "native":
-        why = (
-            "tensor/expert parallel plans"
-            if sharded
-            else native_supports(dtype, kv_cache_dtype, cfg)
-        )
-        if why is not None:
-            raise ValueError(f'attention_backend="native" cannot serve {why}; use "xla"')
+    if backend == "native" and (why := native_supports(dtype, kv_cache_dtype, cfg)) is not None:
+        raise ValueError(f'attention_backend="native" cannot serve {why}; use "xla"')
     return AttentionChoice(backend, "asked for")
 
 
