@@ -355,7 +355,11 @@ class ReplicasBackend(HTTPBackend):
 
     def stats(self) -> dict[str, Any]:
         """The replicas' engine counters summed (each replica's ``/metrics``): steps, seconds
-        in steps and host seconds of those steps."""
+        in steps, host seconds of those steps, tokens generated and the CPU seconds of their
+        servers' event loops; the router's CPU seconds (``/router/stats``) and this process's
+        (``client_cpu_s``: the benchmark client's, the only work here while the replicas run)."""
+        import time
+
         import httpx
 
         from research.serve.metrics import metric_samples
@@ -364,6 +368,8 @@ class ReplicasBackend(HTTPBackend):
             "research:num_steps": "num_steps",
             "research:engine_step_seconds_total": "step_time_s",
             "research:engine_host_seconds_total": "host_time_s",
+            "research:generation_tokens_total": "generation_tokens",
+            "research:server_loop_cpu_seconds_total": "server_loop_cpu_s",
         }
         out = dict.fromkeys(names.values(), 0.0)
         routed = httpx.get(f"{self.base_url}/router/stats", timeout=30).json()
@@ -372,7 +378,7 @@ class ReplicasBackend(HTTPBackend):
             for name, _, value in metric_samples(text):
                 if name in names:
                     out[names[name]] += value
-        return out
+        return out | {"router_cpu_s": routed["process_cpu_s"], "client_cpu_s": time.process_time()}
 
     def close(self) -> None:
         if self.process.poll() is None:

@@ -84,7 +84,16 @@ def _single_stream(run: RunConfig, backend: Any, prompt_len: int) -> dict:
         return result.metrics() | {"host_s_per_step": None}
     steps = after["num_steps"] - before["num_steps"]
     host = (after["host_time_s"] - before["host_time_s"]) / steps
-    return result.metrics() | {"host_s_per_step": host}
+    out = result.metrics() | {"host_s_per_step": host}
+    if "server_loop_cpu_s" in after:  # replicas: the CPU work outside the engines, per token
+        tokens = after["generation_tokens"] - before["generation_tokens"]
+
+        def per_token(*keys: str) -> float:
+            return sum(after[k] - before[k] for k in keys) / tokens
+
+        out["server_s_per_token"] = per_token("server_loop_cpu_s")
+        out["shared_s_per_token"] = per_token("router_cpu_s", "client_cpu_s")
+    return out
 
 
 def fit_single_stream(run: RunConfig, real: Any, local: Any) -> tuple[Any, Any]:
@@ -103,11 +112,18 @@ def fit_single_stream(run: RunConfig, real: Any, local: Any) -> tuple[Any, Any]:
     )
     runs = {n: _single_stream(run, real, n) for n in (w.input_len, long_prompt)}
     hosts = [r["host_s_per_step"] for r in runs.values()]
+
+    def mean(key: str) -> float | None:
+        values = [r.get(key) for r in runs.values()]
+        return None if None in values else sum(values) / len(values)
+
     measured = SingleStream(
         output_len=w.output_len,
         tpot_s={n: r["median_tpot_ms"] / 1e3 for n, r in runs.items()},
         ttft_s={n: r["median_ttft_ms"] / 1e3 for n, r in runs.items()},
         host_s_per_step=None if None in hosts else sum(hosts) / len(hosts),
+        server_s_per_token=mean("server_s_per_token"),
+        shared_s_per_token=mean("shared_s_per_token"),
     )
     model = fit_host(
         run.model.model,
@@ -189,9 +205,15 @@ def describe_fit(measured: Any, model: Any) -> str:
         f"prompt {n}: TPOT {measured.tpot_s[n] * 1e3:.1f} ms, TTFT {t * 1e3:.0f} ms"
         for n, t in measured.ttft_s.items()
     )
+    outside = ""
+    if measured.server_s_per_token is not None:
+        outside = (
+            f"; per token and stream, server {measured.server_s_per_token * 1e3:.2f} ms and "
+            f"router + client {(measured.shared_s_per_token or 0.0) * 1e3:.2f} ms of CPU, measured"
+        )
     return (
         f"fitted on single-stream runs ({fitted_on}; host {p.per_step_overhead_s * 1e3:.2f} ms "
-        f"per step, {host}) -> {hw.achievable_bandwidth / 1e9:.1f} GB/s, "
+        f"per step, {host}{outside}) -> {hw.achievable_bandwidth / 1e9:.1f} GB/s, "
         f"{hw.tensor_flops['fp32'] / 1e9:.1f} GFLOP/s, attention FLOPs at "
         f"{p.attention_efficiency:.2f} of that, attention reads at "
         f"{p.attention_read_efficiency * hw.achievable_bandwidth / 1e9:.1f} GB/s"

@@ -236,6 +236,9 @@ def test_http_benchmark_client_records_ttft_and_tpot(server):
         )
     )
     assert steps >= 4 and 0 < host < busy < result.duration
+    # And the server's event-loop CPU (what validate_host charges replicas per streamed token).
+    loop = after["research:server_loop_cpu_seconds_total"]
+    assert 0 < loop - before["research:server_loop_cpu_seconds_total"] < result.duration
     assert all(r.success for r in result.records), [r.error for r in result.records]
     assert all(r.output_len == 4 and len(r.token_times) == 4 for r in result.records)
     metrics = compute_metrics(result.records, result.duration)

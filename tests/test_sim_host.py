@@ -78,6 +78,33 @@ def test_fit_recovers_a_machine_from_single_stream_numbers():
     assert fit.step_time(batch) == pytest.approx(truth.step_time(batch), rel=0.02)
 
 
+def test_server_time_per_stream_is_taken_out_of_the_kernels_and_charged_per_sequence():
+    """Replicas behind a server: the same single-stream numbers with 1 ms of server CPU per
+    token (on the engine's core) and 0.5 ms of router and client CPU. The server's share is no
+    longer read as slow kernels (faster fitted rates), and the prediction charges 1.5 ms per
+    sequence and step, so 32 streams cost ~46 ms more per step than one engine alone."""
+    truth = _model()
+    prompts = (128, 480)
+    numbers = dict(
+        output_len=32,
+        tpot_s={n: truth.step_time(StepShape.decode(1, n + 15)) for n in prompts},
+        ttft_s={n: truth.ttft(n) for n in prompts},
+        host_s_per_step=2e-3,
+    )
+    alone = fit_host("smollm2-135m", SingleStream(**numbers), **SIZES)
+    served = fit_host(
+        "smollm2-135m",
+        SingleStream(**numbers, server_s_per_token=1e-3, shared_s_per_token=5e-4),
+        **SIZES,
+    )
+    assert served.params.per_seq_overhead_s == pytest.approx(1.5e-3)
+    assert served.hw.achievable_bandwidth > 1.01 * alone.hw.achievable_bandwidth
+    one, many = StepShape.decode(1, 200), StepShape.decode(32, 200)
+    # One stream: what was measured, less the router's share (on another core then).
+    assert served.step_time(one) == pytest.approx(alone.step_time(one) + 5e-4, rel=0.03)
+    assert served.step_time(many) - alone.step_time(many) > 0.03
+
+
 def test_attention_reads_its_own_bandwidth():
     """A gathered-context attention (read efficiency < 1) makes decode steps grow with rows x
     keys; the weights' read time does not change."""

@@ -166,12 +166,21 @@ class HostCostModel(CostModel):
 class SingleStream:
     """Measured single-stream figures of our engine, seconds, per prompt length: median TPOT
     and median TTFT; ``host_s_per_step``: the engine's own host time per step in those runs
-    (``Engine.stats()``: step time minus time in the jitted calls), or None to fit it."""
+    (``Engine.stats()``: step time minus time in the jitted calls), or None to fit it.
+
+    Behind an HTTP server on a core of its own (replicas), the CPU work outside the engine per
+    generated token of a stream: ``server_s_per_token`` (the server's event loop, on the
+    engine's core, so inside the single-stream steps) and ``shared_s_per_token`` (the router
+    and the benchmark client: with one stream they run on an idle core; once every core runs
+    a replica they take their time from the replicas' steps). None: not measured (one engine
+    in process, no server)."""
 
     output_len: int
     tpot_s: dict[int, float]
     ttft_s: dict[int, float]
     host_s_per_step: float | None = None
+    server_s_per_token: float | None = None
+    shared_s_per_token: float | None = None
 
 
 def fit_host(
@@ -204,13 +213,18 @@ def fit_host(
         attention_backend=attention_backend,
     )
     host = measured.host_s_per_step
+    # Per sequence and step: the server's work on the engine's core (in every fitted step),
+    # then, for the prediction, the router's and client's too (module docstring of SingleStream).
+    server = measured.server_s_per_token or 0.0
+    shared = measured.shared_s_per_token or 0.0
 
-    def build(x: Any) -> HostCostModel:
+    def build(x: Any, per_seq: float = server) -> HostCostModel:
         hw = host_hardware(math.exp(x[0]) * 1e9, math.exp(x[1]) * 1e9)
         overhead = host if host is not None else max(0.0, x[4]) / 1e3
         params = CostParams(
             1.0,
             overhead,
+            per_seq_overhead_s=per_seq,
             attention_efficiency=min(1.0, math.exp(x[2])),
             attention_read_efficiency=min(1.0, math.exp(x[3])),
         )
@@ -238,7 +252,7 @@ def fit_host(
     )
     if not fit.success:
         raise ValueError(f"host fit did not converge: {fit.message}")
-    return build(fit.x)
+    return build(fit.x, server + shared)
 
 
 def simulated_engine(

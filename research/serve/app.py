@@ -394,7 +394,8 @@ def create_app(
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(
-            prometheus_text(engine_loop, served_model_name),
+            # This handler runs on the event loop's thread: its CPU clock is the server's.
+            prometheus_text(engine_loop, served_model_name, time.thread_time()),
             media_type="text/plain; version=0.0.4",
         )
 

@@ -18,8 +18,12 @@ def metric_samples(text: str) -> list[tuple[str, str, float]]:
     return samples
 
 
-def prometheus_text(engine_loop: EngineLoop, model_name: str) -> str:
-    """The server's gauges and counters in Prometheus' text format, ``research:`` prefixed."""
+def prometheus_text(
+    engine_loop: EngineLoop, model_name: str, server_loop_cpu_s: float | None = None
+) -> str:
+    """The server's gauges and counters in Prometheus' text format, ``research:`` prefixed.
+    ``server_loop_cpu_s``: CPU seconds of the HTTP server's event-loop thread so far (the
+    caller reads it on that thread), exported when given."""
     s, c = engine_loop.stats, engine_loop.counters
     label = f'{{model_name="{model_name}"}}'
     gauges = [
@@ -56,6 +60,15 @@ def prometheus_text(engine_loop: EngineLoop, model_name: str) -> str:
             s["host_time_s"],
         ),
     ]
+    if server_loop_cpu_s is not None:
+        counters.append(
+            (
+                "server_loop_cpu_seconds_total",
+                "CPU seconds of the HTTP server's event-loop thread (parsing requests, "
+                "streaming every token as an event, JSON), outside the engine's thread.",
+                server_loop_cpu_s,
+            )
+        )
     if "spec_num_drafts" in s:  # speculative decoding (vLLM's spec_decode counters)
         counters += [
             ("spec_decode_num_drafts_total", "Verified rows with drafts.", s["spec_num_drafts"]),
