@@ -59,17 +59,22 @@ def test_a_mixed_step_is_one_padded_call():
     assert cm.breakdown(mixed)["overhead_s"] == pytest.approx(one["overhead_s"])  # one dispatch
 
 
-def test_fit_recovers_a_machine_from_single_stream_numbers():
-    """Numbers priced by a known model: the fit finds it again and predicts batch 16."""
-    truth = _model()
+def _single_stream(truth: HostCostModel, **extra) -> SingleStream:
+    """What ``truth`` prices for single-stream runs at two prompt lengths (32 output tokens)."""
     prompts = (128, 480)
-    measured = SingleStream(
+    return SingleStream(
         output_len=32,
         tpot_s={n: truth.step_time(StepShape.decode(1, n + 15)) for n in prompts},
         ttft_s={n: truth.ttft(n) for n in prompts},
         host_s_per_step=2e-3,
+        **extra,
     )
-    fit = fit_host("smollm2-135m", measured, **SIZES)
+
+
+def test_fit_recovers_a_machine_from_single_stream_numbers():
+    """Numbers priced by a known model: the fit finds it again and predicts batch 16."""
+    truth = _model()
+    fit = fit_host("smollm2-135m", _single_stream(truth), **SIZES)
     assert fit.hw.achievable_bandwidth == pytest.approx(12e9, rel=0.02)
     assert fit.hw.tensor_flops["fp32"] == pytest.approx(40e9, rel=0.02)
     # The decode-time difference between the two prompt lengths is attention's reads alone.
@@ -84,17 +89,10 @@ def test_server_time_per_stream_is_taken_out_of_the_kernels_and_charged_per_sequ
     longer read as slow kernels (faster fitted rates), and the prediction charges 1.5 ms per
     sequence and step, so 32 streams cost ~46 ms more per step than one engine alone."""
     truth = _model()
-    prompts = (128, 480)
-    numbers = dict(
-        output_len=32,
-        tpot_s={n: truth.step_time(StepShape.decode(1, n + 15)) for n in prompts},
-        ttft_s={n: truth.ttft(n) for n in prompts},
-        host_s_per_step=2e-3,
-    )
-    alone = fit_host("smollm2-135m", SingleStream(**numbers), **SIZES)
+    alone = fit_host("smollm2-135m", _single_stream(truth), **SIZES)
     served = fit_host(
         "smollm2-135m",
-        SingleStream(**numbers, server_s_per_token=1e-3, shared_s_per_token=5e-4),
+        _single_stream(truth, server_s_per_token=1e-3, shared_s_per_token=5e-4),
         **SIZES,
     )
     assert served.params.per_seq_overhead_s == pytest.approx(1.5e-3)
