@@ -291,7 +291,8 @@ class CostModel:
         """``expert_tiles``: how the grouped expert GEMM pads each expert's routed rows; None
         computes exactly the routed rows, ``"mmq"`` pads them to llama.cpp's MMQ column tile
         (``routing.mmq_tile`` of the step's tokens), expected over the routing law's per-expert
-        row counts (``routing.lognormal_padded_rows``; ``lognormal`` or ``uniform`` law).
+        row counts (``routing.lognormal_padded_rows``: the ``lognormal`` law's popularity, or
+        an even one under every other law).
         ``graph_max_tokens``: the most rows a step may have and still replay a captured
         graph; a step with more runs eagerly and pays ``params.eager_layer_overhead_s`` per
         layer (None: every step replays a graph).
@@ -346,10 +347,6 @@ class CostModel:
         self.graph_max_tokens = graph_max_tokens
         if expert_tiles not in (None, "mmq"):
             raise ValueError(f"expert_tiles must be None or 'mmq', got {expert_tiles!r}")
-        if expert_tiles and moe_routing not in ("lognormal", "uniform"):
-            raise ValueError(
-                f"expert_tiles needs the lognormal or uniform law, not {moe_routing!r}"
-            )
         self.expert_tiles = expert_tiles
         if weight_only and quantization is not None and quantization not in GGUF_FORMATS:
             self.compute_dtype, self.dequantizes = "bf16", True
