@@ -111,9 +111,8 @@ def fit_single_stream(run: RunConfig, real: Any, local: Any) -> tuple[Any, Any]:
         f"[validate_host] {real.label}: single-stream runs (prompts {w.input_len}, {long_prompt})"
     )
     runs = {n: _single_stream(run, real, n) for n in (w.input_len, long_prompt)}
-    hosts = [r["host_s_per_step"] for r in runs.values()]
 
-    def mean(key: str) -> float | None:
+    def mean(key: str) -> float | None:  # over the two runs; None where a run did not measure it
         values = [r.get(key) for r in runs.values()]
         return None if None in values else sum(values) / len(values)
 
@@ -121,7 +120,7 @@ def fit_single_stream(run: RunConfig, real: Any, local: Any) -> tuple[Any, Any]:
         output_len=w.output_len,
         tpot_s={n: r["median_tpot_ms"] / 1e3 for n, r in runs.items()},
         ttft_s={n: r["median_ttft_ms"] / 1e3 for n, r in runs.items()},
-        host_s_per_step=None if None in hosts else sum(hosts) / len(hosts),
+        host_s_per_step=mean("host_s_per_step"),
         server_s_per_token=mean("server_s_per_token"),
         shared_s_per_token=mean("shared_s_per_token"),
     )

@@ -427,8 +427,13 @@ class CostModel:
             cfg.num_experts_per_tok,
             seqs,
             self.params.moe_concentration,
-            sigma=load_sigma(cfg.name) if self.moe_load_sigma is None else self.moe_load_sigma,
+            sigma=self.load_sigma,
         )
+
+    @property
+    def load_sigma(self) -> float:
+        """The ``lognormal`` law's popularity shape: the model's measured one unless given."""
+        return load_sigma(self.cfg.name) if self.moe_load_sigma is None else self.moe_load_sigma
 
     def expert_rows(self, tokens: int) -> float:
         """Token rows the grouped expert GEMM computes per layer for a call of ``tokens``:
@@ -436,9 +441,7 @@ class CostModel:
         cfg = self.cfg
         if self.expert_tiles is None or tokens <= 0:
             return float(cfg.num_experts_per_tok * tokens)
-        sigma = 0.0
-        if self.moe_routing == "lognormal":
-            sigma = load_sigma(cfg.name) if self.moe_load_sigma is None else self.moe_load_sigma
+        sigma = self.load_sigma if self.moe_routing == "lognormal" else 0.0
         return lognormal_padded_rows(
             cfg.num_experts, cfg.num_experts_per_tok, tokens, sigma, mmq_tile(tokens)
         )
