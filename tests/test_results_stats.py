@@ -241,6 +241,26 @@ def test_figures_have_captions_true_to_their_styles_and_no_overlapping_text(repe
     json.dumps([p["max_concurrency"] for p in points])
 
 
+@pytest.mark.parametrize("ratio", [1.01, 1.04, 1.3, 1.5, 3.0, 30.0, 3000.0])
+@pytest.mark.parametrize("low_ms", [1.35, 13.0, 900.0])
+def test_figures_label_any_range_without_overlapping_text(low_ms, ratio):
+    """Curves whose values span from a hair to several decades (timed runs land anywhere):
+    no two tick labels, legend entries or captions overlap in either figure."""
+    from research.bench.plots import concurrency_figure, ttft_figure
+
+    points = [
+        dict(max_concurrency=c, repeat=r, median_ttft_ms=v, p99_ttft_ms=1.02 * v,
+             output_throughput=v, per_user_tok_s=v / 10, executor="engine")
+        for c, f in ((1, 1.0), (4, ratio))
+        for r in range(3)
+        for v in [low_ms * f * (1 + 0.002 * r)]
+    ]  # fmt: skip
+    sim = [dict(p, executor="simulated-gb10") for p in points]
+    series = {"ours tiny-llama": points, "simulated tiny-llama": sim}
+    for fig in (concurrency_figure(series), ttft_figure(series)):
+        assert not _overlaps(fig), (fig.axes[0].get_ylabel(), _overlaps(fig))
+
+
 def test_prediction_bands_figure_is_paper_grade(tmp_path):
     """300-dpi PNG with PDF and SVG beside it, TTFT on a log axis, a caption that says what the
     line and the band are, and no overlapping text."""

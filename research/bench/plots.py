@@ -311,8 +311,10 @@ def ttft_figure(data: PointsOrSeries) -> Figure:
     fig = Figure(figsize=(WIDTH_IN / 2, 2.9), layout="constrained")
     fig.get_layout_engine().set(h_pad=0.15)
     ax = fig.subplots()
+    values: list[float] = []
     for label, points in series.items():
         xs, ys = _curve(points, "median_ttft_ms")
+        values += [y / 1e3 for y in ys]
         simulated = " (simulated)" if _is_simulated(points) else ""
         (line,) = ax.plot(
             xs,
@@ -323,6 +325,7 @@ def ttft_figure(data: PointsOrSeries) -> Figure:
         )
         line.simulated = bool(simulated)
         xs, ys = _curve(points, "p99_ttft_ms")
+        values += [y / 1e3 for y in ys]
         ax.plot(
             xs,
             [y / 1e3 for y in ys],
@@ -333,7 +336,7 @@ def ttft_figure(data: PointsOrSeries) -> Figure:
             label=f"{names[label]} p99",
         )
     _setup_x(ax)
-    ax.set_yscale("log")
+    _y_axis(ax, values, log_y=True)
     ax.set_ylabel("TTFT (s)", fontsize=7)
     ax.tick_params(labelsize=6)
     ax.legend(fontsize=5)
