@@ -245,8 +245,8 @@ def test_figures_have_captions_true_to_their_styles_and_no_overlapping_text(repe
 @pytest.mark.parametrize("low_ms", [1.35, 13.0, 900.0])
 def test_figures_label_any_range_without_overlapping_text(low_ms, ratio):
     """Curves whose values span from a hair to several decades (timed runs land anywhere):
-    no two tick labels, legend entries or captions overlap in either figure."""
-    from research.bench.plots import concurrency_figure, ttft_figure
+    no two tick labels, legend entries or captions overlap in any figure."""
+    from research.bench.plots import comparison_figure, concurrency_figure, ttft_figure
 
     points = [
         dict(max_concurrency=c, repeat=r, median_ttft_ms=v, p99_ttft_ms=1.02 * v,
@@ -257,7 +257,9 @@ def test_figures_label_any_range_without_overlapping_text(low_ms, ratio):
     ]  # fmt: skip
     sim = [dict(p, executor="simulated-gb10") for p in points]
     series = {"ours tiny-llama": points, "simulated tiny-llama": sim}
-    for fig in (concurrency_figure(series), ttft_figure(series)):
+    figures = (comparison_figure(series, "output_throughput"), concurrency_figure(series),
+               ttft_figure(series))  # fmt: skip
+    for fig in figures:
         assert not _overlaps(fig), (fig.axes[0].get_ylabel(), _overlaps(fig))
 
 
