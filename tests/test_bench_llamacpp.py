@@ -1,0 +1,73 @@
+"""The llama.cpp comparison's plumbing: llama-batched-bench's JSONL read back, the binary found
+or refused with a way to get one, and our side run as the same static workload (one prefill
+step, then exactly ``ntg`` decode steps, nothing compiled while timed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments import bench_llamacpp as bench
+
+# As llama-batched-bench prints it: log lines on the same streams as the JSONL rows.
+OUTPUT = """\
+main: n_kv_max = 16384, n_batch = 2048, n_ubatch = 512, flash_attn = -1, is_pp_shared = 0
+{"n_kv_max": 16384, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, "is_pp_shared": 0, \
+"n_gpu_layers": -1, "n_threads": 2, "n_threads_batch": 2, "pp": 128, "tg": 128, "pl": 1, \
+"n_kv": 256, "t_pp": 0.233810, "speed_pp": 547.453064, "t_tg": 3.503684, "speed_tg": 36.532974, \
+"t": 3.737494, "speed": 68.495094}
+{"n_kv_max": 16384, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, "is_pp_shared": 0, \
+"n_gpu_layers": -1, "n_threads": 2, "n_threads_batch": 2, "pp": 128, "tg": 128, "pl": 64, \
+"n_kv": 16384, "t_pp": 14.0, "speed_pp": 585.14, "t_tg": 40.0, "speed_tg": 204.8, \
+"t": 54.0, "speed": 303.4}
+llama_perf_context_print:        load time =     101.23 ms
+"""
+
+
+def test_batched_bench_rows_and_build_are_read_back():
+    rows = bench.parse_jsonl(OUTPUT)
+    assert [(r["pl"], r["speed_tg"]) for r in rows] == [(1, 36.532974), (64, 204.8)]
+    assert bench.build_info("build: 6918 (0c1e5709) with cc (Debian) for x86_64") == (
+        "6918 (0c1e5709)"
+    )
+    assert bench.build_info("no build line") is None
+
+
+def test_a_missing_binary_says_how_to_get_one(tmp_path, monkeypatch):
+    monkeypatch.delenv("LLAMA_BATCHED_BENCH", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="--build DIR"):
+        bench.find_binary(str(tmp_path / "nope"))
+    exe = tmp_path / "bin" / bench.BINARY
+    exe.parent.mkdir()
+    exe.write_text("#!/bin/sh\n")
+    with pytest.raises(FileNotFoundError):  # present but not executable
+        bench.find_binary(str(exe))
+    exe.chmod(0o755)
+    assert bench.find_binary(str(exe)) == exe
+    monkeypatch.setenv("LLAMA_BATCHED_BENCH", str(exe))
+    assert bench.find_binary() == exe
+
+
+def test_ours_runs_the_static_workload_of_batched_bench():
+    """Each batch: one step prefills every prompt, ``ntg`` steps decode (``ntg + 1`` tokens),
+    and the rates are the tokens over those phases."""
+    rows = bench.run_ours("tiny-llama", "float32", [1, 3], npp=8, ntg=4)
+    assert [(r["pl"], r["steps"]) for r in rows] == [(1, 5), (3, 5)]
+    for r in rows:
+        assert r["speed_tg"] == pytest.approx(r["pl"] * 4 / r["t_tg"])
+        assert r["speed_pp"] == pytest.approx(r["pl"] * 8 / r["t_pp"])
+        assert r["t_pp"] > 0 and r["t_tg"] > 0
+
+
+def test_table_gives_each_engine_its_gain_and_its_ratio_to_the_reference():
+    results = {
+        "llama.cpp": [dict(pl=1, speed_pp=500.0, speed_tg=40.0),
+                      dict(pl=64, speed_pp=600.0, speed_tg=200.0)],
+        "ours": [dict(pl=1, speed_pp=300.0, speed_tg=30.0),
+                 dict(pl=64, speed_pp=900.0, speed_tg=500.0)],
+    }  # fmt: skip
+    lines = bench.table(results, "llama.cpp").splitlines()
+    row64 = next(ln for ln in lines if ln.strip().startswith("64 |"))
+    ours64 = row64.split("|")[2].split()
+    assert ours64 == ["900", "500.0", "16.7x", "2.50x"]
+    assert row64.split("|")[1].split() == ["600", "200.0", "5.0x", "1.00x"]
