@@ -83,6 +83,71 @@ def test_random_routing_is_seeded():
         Router([Replica("a")], "round_robin")
 
 
+class _DroppingReplica:
+    """HTTP/1.1 on a raw socket: answers the first request on each connection (kept alive) and
+    closes the connection unanswered when a second one arrives on it, as a replica does whose
+    keep-alive ran out just as the router reused the connection."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.connections = self.requests = 0
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        threading.Thread(target=self._run, args=(ready,), daemon=True).start()
+        ready.wait(10)
+
+    def _run(self, ready) -> None:
+        asyncio.set_event_loop(self.loop)
+        server = self.loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        ready.set()
+        self.loop.run_forever()
+
+    async def _handle(self, reader, writer) -> None:
+        self.connections += 1
+        served = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.lower().split(b"\r\n")
+                    if line.startswith(b"content-length:")
+                )
+                await reader.readexactly(length)
+                self.requests += 1
+                if served:
+                    break
+                body = b'{"ok": true}'
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (len(body), body)
+                )
+                await writer.drain()
+                served += 1
+        except asyncio.IncompleteReadError:
+            pass
+        writer.close()
+
+
+def test_a_kept_alive_connection_the_replica_closed_is_retried_not_a_502():
+    """The second request goes out on the pooled connection, which the replica closes without
+    answering: the router sends it again on a fresh one (the client sees 200, not 502)."""
+    from research.serve.background import serve_in_thread
+    from research.serve.router import create_router_app
+
+    replica = _DroppingReplica()
+    router = Router([Replica(replica.url)], "least_loaded")
+    with serve_in_thread(create_router_app(router)) as url, httpx.Client(timeout=30) as c:
+        codes = [c.post(f"{url}/v1/completions", json={"prompt": "hi"}).status_code
+                 for _ in range(3)]  # fmt: skip
+    assert codes == [200, 200, 200]
+    # The dropped request was sent twice: once on the stale connection, once on a fresh one.
+    assert (replica.connections, replica.requests) == (3, 5)
+    assert [r.in_flight for r in router.replicas] == [0]
+
+
 async def _stream(client: httpx.AsyncClient, url: str, i: int) -> tuple[int, int, bool]:
     body = {
         "model": "tiny-llama",

@@ -90,7 +90,11 @@ async def _run(
     async with httpx.AsyncClient(
         headers=headers,
         timeout=httpx.Timeout(None),
-        limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
+        # Idle connections expire well inside uvicorn's 5 s keep-alive: a connection reused as
+        # the server closes it would fail a request the server never saw.
+        limits=httpx.Limits(
+            max_connections=limit, max_keepalive_connections=limit, keepalive_expiry=1.0
+        ),
     ) as client:
         start = time.perf_counter()
 

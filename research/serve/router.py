@@ -11,6 +11,9 @@ status and body, to the replica the policy picks (``research.parallel.replicas``
 least_loaded, prefix_aware), counting requests in flight through this router.
 
 A replica that fails or cannot be reached answers with a 502 naming it; the others keep serving.
+A pooled connection the replica closed while idle (its keep-alive ran out as the request left)
+is not a failure: the request is sent once more on a fresh connection, and pooled connections
+expire after ``KEEPALIVE_EXPIRY_S``, well inside uvicorn's 5 s keep-alive, so the race is rare.
 ``GET /router/stats[?min_in_flight=N]`` reports requests routed, in flight now and in flight on
 average (over time, since the first request or ``POST /router/reset``) per replica, and the
 share of the time the busiest replica had at most one request more than the least busy one
@@ -37,6 +40,13 @@ from research.parallel.replicas import ROUTING, Replica, Router
 
 __all__ = ["ROUTING", "Replica", "Router", "create_router_app", "free_port", "main"]
 
+# Idle pooled connections to a replica are dropped after this long: below uvicorn's keep-alive
+# timeout (5 s), so the router seldom picks a connection the replica is closing.
+KEEPALIVE_EXPIRY_S = 1.0
+# What a connection the replica closed while it sat in the pool raises on reuse (the request
+# got no response): sent again, once, on a fresh connection. Timeouts are never retried.
+STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
 
 def prompt_prefix(body: dict) -> str:
     """The text a request starts with: its prompt, or its chat messages in order."""
@@ -51,7 +61,11 @@ def create_router_app(router: Router, timeout: float = 600.0) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
+        limits = httpx.Limits(
+            max_connections=4096,
+            max_keepalive_connections=256,
+            keepalive_expiry=KEEPALIVE_EXPIRY_S,
+        )
         client["c"] = httpx.AsyncClient(timeout=timeout, limits=limits)
         yield
         await client["c"].aclose()
@@ -72,11 +86,17 @@ def create_router_app(router: Router, timeout: float = 600.0) -> FastAPI:
             for k, v in request.headers.items()
             if k.lower() in ("authorization", "content-type")
         }
-        req = client["c"].build_request(
-            "POST", f"{replica.url}{path}", content=raw, headers=headers
-        )
+
+        def upstream_request() -> httpx.Request:
+            return client["c"].build_request(
+                "POST", f"{replica.url}{path}", content=raw, headers=headers
+            )
+
         try:
-            upstream = await client["c"].send(req, stream=True)
+            try:
+                upstream = await client["c"].send(upstream_request(), stream=True)
+            except STALE_CONNECTION:
+                upstream = await client["c"].send(upstream_request(), stream=True)
         except httpx.HTTPError as error:
             router.done(replica)
             return JSONResponse(
