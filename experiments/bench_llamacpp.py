@@ -15,7 +15,7 @@ after an untimed pass that compiles every step shape (the timed pass must trace 
 llama.cpp is not a dependency: ``--binary`` (or ``$LLAMA_BATCHED_BENCH``, or the one on
 ``PATH``) names a built ``llama-batched-bench``; ``--build DIR`` builds one into ``DIR`` from the
 llama.cpp sources vendored in the ``llama-cpp-python`` sdist on PyPI (cmake and a C++ compiler,
-a few minutes on two cores; ``GGML_NATIVE`` tunes it to this CPU).
+a few minutes on two cores; ``ggml_isa_options`` tunes it to this CPU).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -63,6 +64,32 @@ def find_binary(binary: str | None = None, build_dir: str | None = None) -> Path
     )
 
 
+# ggml's x86 instruction-set options and the /proc/cpuinfo flag each needs.
+_X86_ISA = (
+    ("GGML_AVX", "avx"), ("GGML_AVX2", "avx2"), ("GGML_FMA", "fma"), ("GGML_F16C", "f16c"),
+    ("GGML_BMI2", "bmi2"), ("GGML_AVX_VNNI", "avx_vnni"), ("GGML_AVX512", "avx512f"),
+    ("GGML_AVX512_VBMI", "avx512vbmi"), ("GGML_AVX512_VNNI", "avx512_vnni"),
+    ("GGML_AVX512_BF16", "avx512_bf16"),
+)  # fmt: skip
+
+
+def ggml_isa_options(cpuinfo: str) -> list[str]:
+    """cmake options for ggml's CPU kernels on this machine: on x86, every SIMD extension the
+    CPU has except AMX (ggml's AMX matmul crashes on this model's Q4_1 weights: a segfault in
+    ``ggml_backend_amx_mul_mat`` with ``GGML_NATIVE`` on a Xeon with amx_int8; without it
+    ggml uses its AVX-512 kernels); elsewhere (the GB10's ARM cores) ``GGML_NATIVE``."""
+    flags = next(
+        (set(line.split(":", 1)[1].split()) for line in cpuinfo.splitlines()
+         if line.startswith("flags")),
+        None,
+    )  # fmt: skip
+    if flags is None:
+        return ["-DGGML_NATIVE=ON"]
+    return ["-DGGML_NATIVE=OFF"] + [
+        f"-D{option}={'ON' if flag in flags else 'OFF'}" for option, flag in _X86_ISA
+    ]
+
+
 def build(build_dir: str | os.PathLike) -> Path:
     """Build ``llama-batched-bench`` into ``build_dir`` from the llama.cpp sources vendored in
     the ``llama-cpp-python`` sdist (downloaded with pip; reused when already built)."""
@@ -85,9 +112,11 @@ def build(build_dir: str | os.PathLike) -> Path:
             for m in members:
                 m.name = m.name[len(prefix) :]
             tar.extractall(src, members=members, filter="data")
+    cpuinfo = Path("/proc/cpuinfo")
+    isa = ggml_isa_options(cpuinfo.read_text() if cpuinfo.is_file() else "")
     subprocess.run(
         ["cmake", "-S", str(src), "-B", str(root / "build"), "-DCMAKE_BUILD_TYPE=Release",
-         "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+         *isa, "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
          "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
          f"-DCMAKE_RUNTIME_OUTPUT_DIRECTORY={root / 'build' / 'bin'}"],
         check=True,
@@ -111,27 +140,43 @@ def parse_jsonl(text: str) -> list[dict[str, Any]]:
 
 
 def build_info(text: str) -> str | None:
-    """llama.cpp's ``build: N (commit)`` line, as its binaries log it."""
-    m = re.search(r"build: (\d+ \([0-9a-f]+\))", text)
-    return m.group(1) if m else None
+    """The commit in what llama.cpp's ``--version`` prints (``version: 0.5.0-dev (build 1,
+    commit 0c1e570)``)."""
+    m = re.search(r"commit ([0-9a-f]{7,40})", text)
+    return f"llama.cpp {m.group(1)}" if m else None
 
 
 def run_llamacpp(
-    binary: Path, gguf: Path, npl: Sequence[int], npp: int, ntg: int, threads: int
+    binary: Path,
+    gguf: Path,
+    npl: Sequence[int],
+    npp: int,
+    ntg: int,
+    threads: int,
+    extra: Sequence[str] = (),
 ) -> tuple[list[dict[str, Any]], str | None]:
-    """llama-batched-bench's rows for every batch size in ``npl`` and the build it reports."""
+    """llama-batched-bench's rows for every batch size in ``npl`` and the build it reports;
+    ``extra``: more of its flags (``-nr``: no weight repacking)."""
     cmd = [
         str(binary), "-m", str(gguf), "-c", str(max(npl) * (npp + ntg)), "-b", "2048",
         "-ub", "512", "-npp", str(npp), "-ntg", str(ntg), "-npl", ",".join(map(str, npl)),
-        "-t", str(threads), "-tb", str(threads), "--output-format", "jsonl",
+        "-t", str(threads), "-tb", str(threads), "--output-format", "jsonl", *extra,
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
+        hint = (
+            " (a crash in ggml's AMX or repacked kernels: try --llama-args=-nr)"
+            if proc.returncode < 0 and "-nr" not in extra
+            else ""
+        )
+        raise RuntimeError(
+            f"{' '.join(cmd)} exited {proc.returncode}{hint}:\n{proc.stderr[-2000:]}"
+        )
     rows = parse_jsonl(proc.stdout)
     if sorted(r["pl"] for r in rows) != sorted(npl):
         raise RuntimeError(f"{BINARY} printed rows for {[r['pl'] for r in rows]}, not {npl}")
-    return rows, build_info(proc.stderr + proc.stdout)
+    version = subprocess.run([str(binary), "--version"], capture_output=True, text=True)
+    return rows, build_info(version.stdout + version.stderr)
 
 
 def run_ours(
@@ -215,6 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--binary", help=f"a built {BINARY}")
     parser.add_argument("--build", metavar="DIR", help=f"build {BINARY} here (once) and use it")
+    parser.add_argument("--llama-args", default="",
+                        help=f"more {BINARY} flags, e.g. -nr (no weight repacking)")  # fmt: skip
     parser.add_argument("--json", help="write every row here")
     args = parser.parse_args(argv)
 
@@ -222,8 +269,10 @@ def main(argv: list[str] | None = None) -> None:
     gguf = gguf_path()
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     results: dict[str, list[dict[str, Any]]] = {}
-    rows, info = run_llamacpp(binary, gguf, args.npl, args.npp, args.ntg, args.threads)
-    results[f"llama.cpp Q4_1 ({info or 'build ?'})"] = rows
+    extra = shlex.split(args.llama_args)
+    rows, info = run_llamacpp(binary, gguf, args.npl, args.npp, args.ntg, args.threads, extra)
+    flags = f" {' '.join(extra)}" if extra else ""
+    results[f"{info or 'llama.cpp'} Q4_1{flags}"] = rows
     for dtype in args.dtype:
         results[f"ours {dtype}"] = run_ours("smollm2-135m", dtype, args.npl, args.npp, args.ntg)
     reference = next(iter(results))

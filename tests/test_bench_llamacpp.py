@@ -26,10 +26,21 @@ llama_perf_context_print:        load time =     101.23 ms
 def test_batched_bench_rows_and_build_are_read_back():
     rows = bench.parse_jsonl(OUTPUT)
     assert [(r["pl"], r["speed_tg"]) for r in rows] == [(1, 36.532974), (64, 204.8)]
-    assert bench.build_info("build: 6918 (0c1e5709) with cc (Debian) for x86_64") == (
-        "6918 (0c1e5709)"
+    version = "version: 0.5.0-dev (build 1, commit 0c1e570)\nbuilt with GNU 12.2.0 for Linux"
+    assert bench.build_info(version) == "llama.cpp 0c1e570"
+    assert bench.build_info("no version line") is None
+
+
+def test_the_build_uses_every_simd_extension_the_cpu_has_but_amx():
+    avx2_only = "processor\t: 0\nflags\t\t: fpu sse4_2 avx avx2 fma f16c bmi2\n"
+    options = bench.ggml_isa_options(avx2_only)
+    assert "-DGGML_NATIVE=OFF" in options and "-DGGML_AVX2=ON" in options
+    assert "-DGGML_AVX512=OFF" in options and not any("AMX" in o for o in options)
+    spr = "flags\t\t: avx avx2 fma f16c bmi2 avx512f avx512_vnni amx_tile amx_int8\n"
+    assert {"-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=OFF"} <= set(
+        bench.ggml_isa_options(spr)
     )
-    assert bench.build_info("no build line") is None
+    assert bench.ggml_isa_options("Features\t: fp asimd sve\n") == ["-DGGML_NATIVE=ON"]  # ARM
 
 
 def test_a_missing_binary_says_how_to_get_one(tmp_path, monkeypatch):
