@@ -140,10 +140,13 @@ def parse_jsonl(text: str) -> list[dict[str, Any]]:
 
 
 def build_info(text: str) -> str | None:
-    """The commit in what llama.cpp's ``--version`` prints (``version: 0.5.0-dev (build 1,
-    commit 0c1e570)``)."""
-    m = re.search(r"commit ([0-9a-f]{7,40})", text)
-    return f"llama.cpp {m.group(1)}" if m else None
+    """Version and commit from what llama.cpp's ``--version`` prints (``version: 0.5.0-dev
+    (build 1, commit 0c1e570)``; a build from the sdist knows no commit)."""
+    m = re.search(r"version: (\S+) \(build \d+, commit (\w+)\)", text)
+    if m is None:
+        return None
+    version, commit = m.groups()
+    return f"llama.cpp {version}" + (f" {commit}" if commit != "unknown" else "")
 
 
 def run_llamacpp(
@@ -272,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     extra = shlex.split(args.llama_args)
     rows, info = run_llamacpp(binary, gguf, args.npl, args.npp, args.ntg, args.threads, extra)
     flags = f" {' '.join(extra)}" if extra else ""
+    if args.build:
+        info = f"{info or 'llama.cpp'} ({LLAMA_CPP_PYTHON})"
     results[f"{info or 'llama.cpp'} Q4_1{flags}"] = rows
     for dtype in args.dtype:
         results[f"ours {dtype}"] = run_ours("smollm2-135m", dtype, args.npl, args.npp, args.ntg)

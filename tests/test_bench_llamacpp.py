@@ -27,7 +27,9 @@ def test_batched_bench_rows_and_build_are_read_back():
     rows = bench.parse_jsonl(OUTPUT)
     assert [(r["pl"], r["speed_tg"]) for r in rows] == [(1, 36.532974), (64, 204.8)]
     version = "version: 0.5.0-dev (build 1, commit 0c1e570)\nbuilt with GNU 12.2.0 for Linux"
-    assert bench.build_info(version) == "llama.cpp 0c1e570"
+    assert bench.build_info(version) == "llama.cpp 0.5.0-dev 0c1e570"
+    unknown = "version: 0.5.0-dev (build 0, commit unknown)"
+    assert bench.build_info(unknown) == "llama.cpp 0.5.0-dev"
     assert bench.build_info("no version line") is None
 
 
