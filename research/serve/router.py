@@ -86,17 +86,14 @@ def create_router_app(router: Router, timeout: float = 600.0) -> FastAPI:
             for k, v in request.headers.items()
             if k.lower() in ("authorization", "content-type")
         }
-
-        def upstream_request() -> httpx.Request:
-            return client["c"].build_request(
-                "POST", f"{replica.url}{path}", content=raw, headers=headers
-            )
-
+        req = client["c"].build_request(
+            "POST", f"{replica.url}{path}", content=raw, headers=headers
+        )
         try:
             try:
-                upstream = await client["c"].send(upstream_request(), stream=True)
-            except STALE_CONNECTION:
-                upstream = await client["c"].send(upstream_request(), stream=True)
+                upstream = await client["c"].send(req, stream=True)
+            except STALE_CONNECTION:  # the body is bytes: the same request goes out again
+                upstream = await client["c"].send(req, stream=True)
         except httpx.HTTPError as error:
             router.done(replica)
             return JSONResponse(
