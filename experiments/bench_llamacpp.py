@@ -47,20 +47,15 @@ def gguf_path() -> Path:
     return smollm2_gguf_path()
 
 
-def find_binary(binary: str | None = None, build_dir: str | None = None) -> Path:
-    """``binary``, else ``$LLAMA_BATCHED_BENCH``, else a build under ``build_dir``, else the one
-    on ``PATH``; a clear error naming the ways to get one when there is none."""
-    candidates = [binary, os.environ.get("LLAMA_BATCHED_BENCH")]
-    if build_dir is not None:
-        candidates.append(str(Path(build_dir) / "build" / "bin" / BINARY))
-    candidates.append(shutil.which(BINARY))
-    for c in candidates:
+def find_binary(binary: str | None = None) -> Path:
+    """``binary``, else ``$LLAMA_BATCHED_BENCH``, else the one on ``PATH``; a clear error naming
+    the ways to get one when there is none."""
+    for c in (binary, os.environ.get("LLAMA_BATCHED_BENCH"), shutil.which(BINARY)):
         if c and Path(c).is_file() and os.access(c, os.X_OK):
             return Path(c)
     raise FileNotFoundError(
-        f"no {BINARY} found (tried --binary, $LLAMA_BATCHED_BENCH"
-        + (f", {build_dir}" if build_dir else "")
-        + ", PATH): pass --build DIR to build one from the llama-cpp-python sdist"
+        f"no {BINARY} found (tried --binary, $LLAMA_BATCHED_BENCH, PATH): pass --build DIR to "
+        "build one from the llama-cpp-python sdist"
     )
 
 
@@ -149,6 +144,36 @@ def build_info(text: str) -> str | None:
     return f"llama.cpp {version}" + (f" {commit}" if commit != "unknown" else "")
 
 
+def decode_roofline(
+    rows: list[dict[str, Any]],
+    weight_bytes: float,
+    kv_bytes_per_token: float,
+    read_peak: float,
+    flops_per_row: float | None = None,
+    flop_peak: float | None = None,
+) -> None:
+    """Each row's decode step against this machine's roofline (``research.perf.host_peaks``):
+    ``read_frac``, the weights read once plus every row's cache (``pp + tg / 2`` tokens on
+    average) per step over the measured read peak, and, where the format has a measured GEMM
+    peak, ``flop_frac``, ``flops_per_row`` (2 x the weights' elements) per row over it.
+    llama.cpp's integer dot products have no measured peak here: its rows get the read
+    fraction only."""
+    for r in rows:
+        step_s = r["t_tg"] / r["tg"]
+        cache = r["pl"] * (r["pp"] + r["tg"] / 2) * kv_bytes_per_token
+        r["read_frac"] = (weight_bytes + cache) / step_s / read_peak
+        if flops_per_row is not None and flop_peak is not None:
+            r["flop_frac"] = r["pl"] * flops_per_row / step_s / flop_peak
+
+
+def gguf_weight_bytes(gguf: Path) -> int:
+    """Bytes of every tensor in ``gguf`` as stored (what llama.cpp reads per decode step: the
+    tied Q8_0 embedding is its output projection too)."""
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(gguf).tensors)
+
+
 def run_llamacpp(
     binary: Path,
     gguf: Path,
@@ -183,11 +208,19 @@ def run_llamacpp(
 
 
 def run_ours(
-    model: str, dtype: str, npl: Sequence[int], npp: int, ntg: int, seed: int = 0
+    model: str,
+    dtype: str,
+    npl: Sequence[int],
+    npp: int,
+    ntg: int,
+    seed: int = 0,
+    peaks: dict[str, float] | None = None,
 ) -> list[dict[str, Any]]:
     """Our engine on llama-batched-bench's workload: per batch size ``B``, ``B`` random prompts
     of ``npp`` tokens prefilled in one step, then ``ntg`` decode steps (``ntg + 1`` tokens: the
-    first comes from the prefill). An untimed pass compiles; the timed one must trace nothing."""
+    first comes from the prefill). An untimed pass compiles; the timed one must trace nothing.
+    ``peaks`` (``host_peaks()``): each row gets its ``decode_roofline`` fractions."""
+    import jax
     import numpy as np
 
     from research import LLM, SamplingParams
@@ -224,17 +257,29 @@ def run_ours(
             dict(pl=b, pp=npp, tg=ntg, t_pp=t_pp, speed_pp=b * npp / t_pp, t_tg=t_tg,
                  speed_tg=b * ntg / t_tg, steps=llm.engine.num_steps - steps)
         )  # fmt: skip
+    if peaks is not None:
+        leaves = jax.tree.leaves(llm.params)
+        itemsize = np.dtype(llm.dtype).itemsize
+        decode_roofline(
+            rows,
+            sum(x.nbytes for x in leaves),
+            llm.model_config.kv_bytes_per_token(itemsize),
+            peaks["bandwidth"],
+            2.0 * sum(x.size for x in leaves),
+            peaks["bf16_flops" if itemsize == 2 else "flops"],
+        )
     return rows
 
 
 def table(results: dict[str, list[dict[str, Any]]], reference: str | None) -> str:
-    """One line per batch size: each engine's S_PP and S_TG, its decode gain over B=1 and,
-    against ``reference``, the ratio of S_TG."""
+    """One line per batch size: each engine's S_PP and S_TG, its decode gain over B=1,
+    against ``reference`` the ratio of S_TG and, where measured, the decode step's roofline
+    fraction in brackets (the larger of ``read_frac`` and ``flop_frac``)."""
     names = list(results)
-    head = f"{'B':>4} | " + " | ".join(f"{n:>28}" for n in names)
+    head = f"{'B':>4} | " + " | ".join(f"{n:>35}" for n in names)
     lines = [
         head,
-        f"{'':>4} | " + " | ".join(f"{'S_PP  S_TG tok/s  gain  ratio':>28}" for _ in names),
+        f"{'':>4} | " + " | ".join(f"{'S_PP  S_TG tok/s  gain  ratio [roof]':>35}" for _ in names),
     ]
     by_b = {n: {r["pl"]: r for r in rows} for n, rows in results.items()}
     for b in sorted({r["pl"] for rows in results.values() for r in rows}):
@@ -242,14 +287,16 @@ def table(results: dict[str, list[dict[str, Any]]], reference: str | None) -> st
         for n in names:
             r = by_b[n].get(b)
             if r is None:
-                cells.append(f"{'-':>28}")
+                cells.append(f"{'-':>35}")
                 continue
             one = by_b[n].get(1)
             gain = f"{r['speed_tg'] / one['speed_tg']:5.1f}x" if one else "     -"
             ref = by_b.get(reference, {}).get(b) if reference else None
             ratio = f"{r['speed_tg'] / ref['speed_tg']:5.2f}x" if ref else "     -"
-            cells.append(f"{r['speed_pp']:7.0f} {r['speed_tg']:7.1f}  {gain} {ratio}")
-        lines.append(f"{b:>4} | " + " | ".join(f"{c:>28}" for c in cells))
+            fracs = [r[k] for k in ("read_frac", "flop_frac") if k in r]
+            roof = f" [{max(fracs):.2f}]" if fracs else ""
+            cells.append(f"{r['speed_pp']:7.0f} {r['speed_tg']:7.1f}  {gain} {ratio}{roof}")
+        lines.append(f"{b:>4} | " + " | ".join(f"{c:>35}" for c in cells))
     return "\n".join(lines)
 
 
@@ -268,8 +315,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help="write every row here")
     args = parser.parse_args(argv)
 
+    from research.models.presets import get_preset
+    from research.perf.host_peaks import host_peaks
+
     binary = build(args.build) if args.build else find_binary(args.binary)
     gguf = gguf_path()
+    peaks = host_peaks()  # the roofline: this machine's measured read and GEMM peaks, cached
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     results: dict[str, list[dict[str, Any]]] = {}
     extra = shlex.split(args.llama_args)
@@ -277,9 +328,14 @@ def main(argv: list[str] | None = None) -> None:
     flags = f" {' '.join(extra)}" if extra else ""
     if args.build:
         info = f"{info or 'llama.cpp'} ({LLAMA_CPP_PYTHON})"
+    # llama.cpp's KV cache is float16 (2 bytes per element)
+    kv = get_preset("smollm2-135m").kv_bytes_per_token(2)
+    decode_roofline(rows, gguf_weight_bytes(gguf), kv, peaks["bandwidth"])
     results[f"{info or 'llama.cpp'} Q4_1{flags}"] = rows
     for dtype in args.dtype:
-        results[f"ours {dtype}"] = run_ours("smollm2-135m", dtype, args.npl, args.npp, args.ntg)
+        results[f"ours {dtype}"] = run_ours(
+            "smollm2-135m", dtype, args.npl, args.npp, args.ntg, peaks=peaks
+        )
     reference = next(iter(results))
     print(
         f"SmolLM2-135M ({gguf.name}), {args.npp} prompt + {args.ntg} generated tokens per "
@@ -287,6 +343,11 @@ def main(argv: list[str] | None = None) -> None:
         f"for ours, one run from {started}; gain: S_TG over B=1, ratio: S_TG over {reference}"
     )
     print(table(results, reference))
+    print(
+        f"roof: the decode step's fraction of this machine's roofline ({peaks['bandwidth'] / 1e9:.1f}"
+        f" GB/s reads, {peaks['bf16_flops'] / 1e9:.0f} GFLOP/s bf16 and {peaks['flops'] / 1e9:.0f}"
+        " float32 GEMM; llama.cpp: reads only)"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -84,3 +84,16 @@ def test_table_gives_each_engine_its_gain_and_its_ratio_to_the_reference():
     ours64 = row64.split("|")[2].split()
     assert ours64 == ["900", "500.0", "16.7x", "2.50x"]
     assert row64.split("|")[1].split() == ["600", "200.0", "5.0x", "1.00x"]
+
+
+def test_decode_roofline_charges_weights_once_and_every_rows_cache():
+    """Step 0.5 s (2 s over 4 steps); reads 100 weight bytes + 2 rows x 12 cached tokens x 1
+    byte; 2 rows x 10 FLOPs: 2.48 of a 100 B/s read peak, 4.0 of a 10 FLOP/s peak."""
+    rows = [dict(pl=2, pp=10, tg=4, t_tg=2.0, speed_pp=1.0, speed_tg=4.0)]
+    bench.decode_roofline(rows, 100.0, 1.0, 100.0, flops_per_row=10.0, flop_peak=10.0)
+    assert rows[0]["read_frac"] == pytest.approx(2.48)
+    assert rows[0]["flop_frac"] == pytest.approx(4.0)
+    assert bench.table({"x": rows}, None).splitlines()[-1].endswith("[4.00]")
+    reads_only = [dict(rows[0])]
+    del reads_only[0]["flop_frac"]
+    assert bench.table({"x": reads_only}, None).splitlines()[-1].endswith("[2.48]")
