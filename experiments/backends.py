@@ -34,9 +34,12 @@ class EngineBackend:
 
     def __init__(self, run: RunConfig):
         from research.llm import LLM
+        from research.perf.engines.serving import from_run
 
-        m, q, s, c = run.model, run.quantization, run.scheduler, run.cache
+        m, q, c = run.model, run.quantization, run.cache
         self.simulated = run.executor.kind == "simulated"
+        # The engine profile's batch policy, pool and (simulated) costs: research.perf.engines.
+        self.serving = serving = from_run(run)
         extra: dict = {}  # LLM arguments of the executor kind
         if self.simulated:
             extra = dict(
@@ -45,7 +48,6 @@ class EngineBackend:
                 gpu_memory_utilization=run.hardware.gpu_memory_utilization,
                 tensor_parallel_size=run.hardware.tensor_parallel_size,
                 enable_expert_parallel=run.hardware.enable_expert_parallel,
-                cost_model_options={"moe_routing": run.hardware.moe_routing},
                 speculative_acceptance_rate=(
                     run.speculative.acceptance_rate if run.speculative.method else None
                 ),
@@ -58,26 +60,26 @@ class EngineBackend:
                 tensor_parallel_size=run.hardware.tensor_parallel_size,
                 enable_expert_parallel=run.hardware.enable_expert_parallel,
             )
+        engine_kwargs = (
+            dict(
+                max_model_len=m.max_model_len,
+                quantization=q.quantization,
+                num_kv_blocks=c.num_kv_blocks,
+            )
+            | serving.llm_kwargs()
+        )
 
         def make_llm() -> LLM:
             return LLM(
                 m.model,
                 **extra,
+                **engine_kwargs,
                 dtype=m.dtype,
-                max_model_len=m.max_model_len,
                 seed=m.seed,
-                quantization=q.quantization,
                 kv_cache_dtype=q.kv_cache_dtype,
                 attention_backend=run.executor.attention_backend,
                 gemm_backend=run.executor.gemm_backend,
-                max_num_seqs=s.max_num_seqs,
-                max_num_batched_tokens=s.max_num_batched_tokens,
-                scheduling_policy=s.scheduling_policy,
-                enable_chunked_prefill=s.enable_chunked_prefill,
-                block_size=c.block_size,
-                num_kv_blocks=c.num_kv_blocks,
                 kv_cache_memory_bytes=c.kv_cache_memory_bytes,
-                enable_prefix_caching=c.enable_prefix_caching,
                 speculative_config=run.speculative.speculative_config(),
             )
 
@@ -95,6 +97,8 @@ class EngineBackend:
         cfg = self.llm.model_config
         self.model_id = m.model
         engine_name = f"simulated-{run.hardware.name}" if self.simulated else "ours"
+        if run.engine.name != "vllm":
+            engine_name += f"-{run.engine.name}"
         if run.hardware.tensor_parallel_size > 1:
             engine_name += f"-tp{run.hardware.tensor_parallel_size}"
         if run.hardware.num_replicas > 1:
@@ -209,10 +213,10 @@ class EngineBackend:
                 run.model.model,
                 run.quantization.quantization,
                 host_hardware(peaks["bandwidth"], peaks["flops"]),
-                max_num_seqs=run.scheduler.max_num_seqs,
-                max_num_batched_tokens=run.scheduler.max_num_batched_tokens,
+                max_num_seqs=self.serving.max_num_seqs,
+                max_num_batched_tokens=self.serving.max_num_batched_tokens,
                 max_model_len=self.engine.max_model_len,
-                block_size=run.cache.block_size,
+                block_size=self.serving.block_size,
                 dtype=run.model.dtype,
                 attention_backend=self.attention_backend,
             )
@@ -319,11 +323,14 @@ class ReplicasBackend(HTTPBackend):
         import subprocess
         import sys
 
-        s, c, m, q, h = run.scheduler, run.cache, run.model, run.quantization, run.hardware
-        if s.scheduling_policy != "continuous" or not s.enable_chunked_prefill:
-            raise ValueError("replicas run the server's continuous batching with chunked prefill")
-        if not c.enable_prefix_caching:
-            raise ValueError("replicas run the server, whose prefix cache is on")
+        from research.perf.engines.serving import from_run
+
+        c, m, q, h = run.cache, run.model, run.quantization, run.hardware
+        s = from_run(run)
+        if run.engine.name != "vllm" or not s.enable_chunked_prefill or not s.enable_prefix_caching:
+            raise ValueError(
+                "replicas run the server: engine=vllm with chunked prefill and prefix caching"
+            )
         from research.serve.router import free_port, wait_healthy
 
         port = free_port()
@@ -332,7 +339,7 @@ class ReplicasBackend(HTTPBackend):
             "--routing", h.routing, "--dtype", m.dtype,
             "--max-num-seqs", str(s.max_num_seqs),
             "--max-num-batched-tokens", str(s.max_num_batched_tokens),
-            "--block-size", str(c.block_size), "--kv-cache-dtype", q.kv_cache_dtype,
+            "--block-size", str(s.block_size), "--kv-cache-dtype", q.kv_cache_dtype,
             "--attention-backend", run.executor.attention_backend,
             "--gemm-backend", run.executor.gemm_backend,
             "--kv-cache-memory-bytes", str(c.kv_cache_memory_bytes), "--seed", str(m.seed),

@@ -124,9 +124,6 @@ def run_point(
         "attention_backend": getattr(backend, "attention_backend", run.executor.attention_backend),
         "attention_backend_reason": _attention_reason(backend),
         "gemm_backend": getattr(backend, "gemm_backend", run.executor.gemm_backend),
-        "scheduling_policy": run.scheduler.scheduling_policy,
-        "block_size": run.cache.block_size,
-        "max_num_seqs": run.scheduler.max_num_seqs,
         "input_len": w.input_len,
         "output_len": w.output_len,
         "range_ratio": w.range_ratio,
@@ -135,12 +132,11 @@ def run_point(
         "num_replicas": run.hardware.num_replicas,
         "repeat": repeat,
     }
-    if run.executor.kind == "simulated":
-        from research.perf.calibration import calibration_of
-
-        extra["moe_routing"] = run.hardware.moe_routing
-        # The machine the cost model's efficiencies were fitted on (not always this one).
-        extra["calibration"] = calibration_of(run.hardware.name)
+    # The engine profile, its batch policy and pool; simulated: the routing law and shape of the
+    # workload's tokens and the calibration that priced the row (research.perf.engines).
+    serving = getattr(backend, "serving", None)
+    if serving is not None:
+        extra |= serving.row()
     cost_model = getattr(getattr(backend, "engine", None), "executor", None)
     cost_model = getattr(cost_model, "cost_model", None)
     if cost_model is not None:  # simulated: the term that binds a decode step at this point
@@ -283,7 +279,7 @@ def run_experiment(
             run.hardware.name,
             run.quantization.quantization or "unquantized",
             run.model.dtype,
-            run.scheduler.scheduling_policy,
+            run.engine.name,
         ),
     )
     paths: list[Any] = []

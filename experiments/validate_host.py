@@ -99,9 +99,10 @@ def _single_stream(run: RunConfig, backend: Any, prompt_len: int) -> dict:
 def fit_single_stream(run: RunConfig, real: Any, local: Any) -> tuple[Any, Any]:
     """The single-stream runs of ``real`` (the workload's prompt and a 4x longer one) and the
     host model fitted on them, sized as ``local``'s engine (one replica's)."""
+    from research.perf.engines.serving import from_run
     from research.perf.host_model import SingleStream, fit_host
 
-    w, s = run.workload, run.scheduler
+    w, s = run.workload, from_run(run)
     engine = local.llm.engine
     # The second prompt length: 4x the workload's, within max_model_len.
     long_prompt = min(4 * w.input_len, engine.max_model_len - w.output_len)
@@ -130,7 +131,7 @@ def fit_single_stream(run: RunConfig, real: Any, local: Any) -> tuple[Any, Any]:
         max_num_seqs=s.max_num_seqs,
         max_num_batched_tokens=s.max_num_batched_tokens,
         max_model_len=engine.max_model_len,
-        block_size=run.cache.block_size,
+        block_size=s.block_size,
         quantization=run.quantization.quantization,
         dtype=run.model.dtype,
         attention_backend=local.attention_backend,

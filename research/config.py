@@ -170,6 +170,52 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class CacheOptions:
+    """The ``cache`` group: the KV pool as the user sets it; None takes the engine profile's
+    value (``research.perf.engines``): vLLM's 16-token blocks and prefix caching, SGLang's
+    1-token pages and radix cache. An engine without paging (llama.cpp) takes no block size."""
+
+    block_size: int | None = None
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    enable_prefix_caching: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """The ``engine`` group: which serving engine is modelled (``research.perf.engines.
+    PROFILES``: vllm, llama_cpp, ollama, sglang, static) and the options a user passes it;
+    None takes the profile's default for the version it cites. ``parallel`` and ``ctx_size``
+    are llama.cpp's ``--parallel`` / ``-c`` (Ollama's ``OLLAMA_NUM_PARALLEL`` / ``num_ctx``);
+    ``max_num_seqs`` is for engines that page their KV cache."""
+
+    name: str = "vllm"
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool | None = None
+    parallel: int | None = None
+    ctx_size: int | None = None
+
+    def __post_init__(self) -> None:
+        from research.perf.engines.profiles import get_profile
+
+        get_profile(self.name)  # an unknown engine names the ones there are
+
+    def overrides(self) -> dict[str, Any]:
+        return {
+            k: getattr(self, k)
+            for k in ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
+                      "parallel", "ctx_size")
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     """Iteration-level scheduling (vLLM's names).
 
@@ -356,7 +402,8 @@ class HardwareConfig:
     enable_expert_parallel: bool = False  # MoE experts split over those devices / boxes
     num_replicas: int = 1  # simulated: independent boxes behind a router (DP)
     routing: str = "random"  # simulated replicas: random | least_loaded | prefix_aware
-    moe_routing: str = "sequence_locality"  # simulated: research.perf.routing.ROUTING_LAWS
+    # simulated: research.perf.routing.ROUTING_LAWS; None: the law of the workload's tokens
+    moe_routing: str | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.num_replicas < 1:
@@ -370,6 +417,9 @@ class WorkloadConfig:
     ``burstiness`` (1 = Poisson) at ``request_rate`` per second."""
 
     dataset: str = "random"
+    # random ids (vllm bench serve's random dataset) or natural text: picks the MoE routing
+    # law's shape in simulation (research.perf.routing.routing_for)
+    token_source: str = "random"
     input_len: int = 128
     output_len: int = 128
     range_ratio: float = 0.0
@@ -380,6 +430,8 @@ class WorkloadConfig:
     def __post_init__(self) -> None:
         if self.dataset != "random":
             raise ValueError(f"dataset must be 'random', got {self.dataset!r}")
+        if self.token_source not in ("random", "text"):
+            raise ValueError(f"token_source must be 'random' or 'text', got {self.token_source!r}")
         if self.input_len < 1 or self.output_len < 1:
             raise ValueError("input_len and output_len must be >= 1")
         if not 0.0 <= self.range_ratio < 1.0:
@@ -468,8 +520,8 @@ class RunConfig:
     quantization: QuantConfig = QuantConfig()
     executor: ExecutorConfig = ExecutorConfig()
     hardware: HardwareConfig = HardwareConfig()
-    cache: CacheConfig = CacheConfig()
-    scheduler: SchedulerConfig = SchedulerConfig()
+    cache: CacheOptions = CacheOptions()
+    engine: ServingConfig = ServingConfig()
     workload: WorkloadConfig = WorkloadConfig()
     experiment: ExperimentConfig = ExperimentConfig()
     tracking: TrackingConfig = TrackingConfig()
@@ -482,8 +534,8 @@ RUN_GROUPS = {
     "quantization": QuantConfig,
     "executor": ExecutorConfig,
     "hardware": HardwareConfig,
-    "cache": CacheConfig,
-    "scheduler": SchedulerConfig,
+    "cache": CacheOptions,
+    "engine": ServingConfig,
     "workload": WorkloadConfig,
     "experiment": ExperimentConfig,
     "tracking": TrackingConfig,

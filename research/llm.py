@@ -129,6 +129,9 @@ class LLM:
             config = dataclasses.replace(
                 config, cache=dataclasses.replace(cache, num_kv_blocks=blocks)
             )
+        # The KV read granule is the pool's block unless the engine profile says otherwise
+        # (llama.cpp reads 256-key tiles of an unpaged cache: research.perf.engines).
+        options = {"block_size": cache.block_size} | (config.cost_model_options or {})
         cost = CostModel(
             self.model_config,
             config.quantization,
@@ -136,9 +139,8 @@ class LLM:
             config.kv_cache_dtype,
             config.dtype,
             tensor_parallel_size=config.tensor_parallel_size,
-            block_size=cache.block_size,
             expert_parallel=config.enable_expert_parallel,
-            **(config.cost_model_options or {}),
+            **options,
         )
         rate = config.speculative_acceptance_rate or 0.0
         return SimulatedExecutor(cost, acceptance_rate=rate), config

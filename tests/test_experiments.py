@@ -33,16 +33,20 @@ def test_defaults_compose_to_the_dataclass_defaults_of_the_main_job():
     assert run.experiment.concurrencies == (1, 4, 16, 64)
     assert run.experiment.prompts_per_concurrency == 3
     assert run.tracking.wandb_mode == "offline"
-    assert run.scheduler.scheduling_policy == "continuous"
-    assert run.cache.block_size == 16
+    assert run.engine.name == "vllm"
+    assert run.cache.block_size is None  # the engine profile's (vLLM: 16)
+    from research.perf.engines.serving import from_run
+
+    serving = from_run(run)
+    assert (serving.profile.scheduling_policy, serving.block_size) == ("continuous", 16)
 
 
 def test_groups_and_overrides_select_values():
     run = _compose(
-        ["quantization=awq_kv_fp8", "scheduler=static", "cache.block_size=32", "workload=spark"]
+        ["quantization=awq_kv_fp8", "engine=static", "cache.block_size=32", "workload=spark"]
     )
     assert (run.quantization.quantization, run.quantization.kv_cache_dtype) == ("awq", "fp8")
-    assert run.scheduler.scheduling_policy == "static"
+    assert run.engine.name == "static"
     assert run.cache.block_size == 32
     assert (run.workload.input_len, run.workload.output_len) == (512, 256)
 

@@ -172,10 +172,13 @@ class EngineArgs:
             "enable_expert_parallel",
         ):
             check_bool(name, getattr(self, name))
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
-            )
+        allowed = QUANTIZATIONS
+        if executor == "simulated":  # llama.cpp's files are priced as stored, not run
+            from research.perf.cost_model import GGUF_FORMATS
+
+            allowed = (*QUANTIZATIONS, *GGUF_FORMATS)
+        if self.quantization not in allowed:
+            raise ValueError(f"quantization must be one of {allowed}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_DTYPES}, got {self.kv_cache_dtype!r}"

@@ -138,8 +138,11 @@ def _params(x: Sequence[float], base: CostParams) -> CostParams:
 def fit_calibration(
     points: Sequence[CalibrationPoint] = CALIBRATION_POINTS,
     per_seq_overhead_s: float = ASSUMED_PER_SEQ_OVERHEAD_S,
+    **cost_options: Any,
 ) -> CostParams:
-    """Fit ``FITTED`` on single-request points of ONE machine (module docstring)."""
+    """Fit ``FITTED`` on single-request points of ONE machine (module docstring).
+    ``cost_options`` go to every ``CostModel`` (the engine profile's mechanisms and the routing
+    law of the points' tokens: ``research.perf.engines``)."""
     from scipy.optimize import least_squares
 
     points = list(points)
@@ -148,7 +151,10 @@ def fit_calibration(
     if len({pt.hardware for pt in points}) != 1:
         raise ValueError("calibrate one machine at a time")
     base = CostParams(1.0, 0.0, per_seq_overhead_s=per_seq_overhead_s)
-    models = [CostModel(pt.model, pt.quantization, pt.hardware, params=base) for pt in points]
+    models = [
+        CostModel(pt.model, pt.quantization, pt.hardware, params=base, **cost_options)
+        for pt in points
+    ]
     moe = [m.cfg for m in models if m.cfg.is_moe]
     f_min = max((c.num_experts_per_tok / c.num_experts for c in moe), default=0.01)
 
@@ -224,13 +230,15 @@ def predict_single_stream(
 
 
 def calibration_report(
-    points: Sequence[CalibrationPoint] = CALIBRATION_POINTS, params: CostParams | None = None
+    points: Sequence[CalibrationPoint] = CALIBRATION_POINTS,
+    params: CostParams | None = None,
+    **cost_options: Any,
 ) -> list[dict[str, Any]]:
     """Predicted vs target for every number of ``points`` (ms per output token and TTFT ms),
     with the relative error in percent, priced by ``params`` (default: the calibration)."""
     rows = []
     for pt in points:
-        cm = CostModel(pt.model, pt.quantization, pt.hardware, params=params)
+        cm = CostModel(pt.model, pt.quantization, pt.hardware, params=params, **cost_options)
         pred = _predict(cm, pt, exact=True)
         for metric, want in pt.targets().items():
             got = pred[metric]

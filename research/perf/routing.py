@@ -202,6 +202,30 @@ LOAD_SIGMAS = {
 }
 
 
+# What the tokens are decides how skewed the router's choices are. ``random``: token ids drawn
+# uniformly (vllm bench serve --dataset-name random, llama-batched-bench, llama-benchy); their
+# hidden states look alike to the router, which sends them to a few experts far more often than
+# natural text does. One shape for every model, FITTED on gpt-oss-120b's llama-batched-bench
+# B=32 pp=512 decode points (the three revisions of llama.cpp's DGX Spark page; the mean of
+# 2.20, 2.16, 2.36) and PREDICTED everywhere else: Qwen3-Coder-30B-A3B's and gpt-oss-20b's
+# batched decodes on the same page (their own points imply 2.03-2.09 and 1.37-1.82), and vLLM's
+# gpt-oss-120b concurrency curve (research.perf.validation_vllm). ``text``: natural text takes
+# the shape its model's router statistic gives (``LOAD_SIGMAS``).
+TOKEN_SOURCES = ("random", "text")
+RANDOM_TOKEN_SIGMA = INFERRED_SIGMA_GPT_OSS_120B
+RANDOM_TOKEN_FIT = {"model": "gpt-oss-120b", "points": "llama-batched-bench tg B=32 pp=512"}
+
+
+def routing_for(model: str, token_source: str) -> tuple[str, float]:
+    """(routing law, lognormal shape) of ``model``'s MoE layers on tokens from
+    ``token_source`` (``TOKEN_SOURCES``)."""
+    if token_source not in TOKEN_SOURCES:
+        raise ValueError(f"unknown token source {token_source!r}; expected one of {TOKEN_SOURCES}")
+    if token_source == "random":
+        return "lognormal", RANDOM_TOKEN_SIGMA
+    return "lognormal", load_sigma(model)
+
+
 def load_sigma(model: str) -> float:
     """The lognormal popularity shape of ``model``'s router (``LOAD_SIGMAS``, else
     ``LOAD_SIGMA``)."""
@@ -269,7 +293,9 @@ __all__ = [
     "LOAD_SIGMAS",
     "MEASURED_COVERAGE",
     "MEASURED_DISTINCT",
+    "RANDOM_TOKEN_SIGMA",
     "ROUTING_LAWS",
+    "TOKEN_SOURCES",
     "coverage_sigma",
     "distinct_experts",
     "expected_distinct_experts",
@@ -278,5 +304,6 @@ __all__ = [
     "lognormal_distinct",
     "lognormal_padded_rows",
     "mmq_tile",
+    "routing_for",
     "working_set",
 ]
