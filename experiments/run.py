@@ -1,9 +1,9 @@
 """The experiments app: ``python -m experiments.run [group=option ...] [key=value ...]``.
 
-Config groups (``configs/``): model, quantization, executor, hardware, cache, scheduler, workload,
-experiment, tracking. ``-m`` sweeps across runs, e.g. block size and policy::
+Config groups (``configs/``): model, quantization, executor, hardware, cache, engine, workload,
+experiment, tracking. ``-m`` sweeps across runs, e.g. block size and serving engine::
 
-    python -m experiments.run -m cache.block_size=8,16,32 scheduler=continuous,static
+    python -m experiments.run -m cache.block_size=8,16,32 engine=vllm,static
 
 Each run writes results.jsonl, run_config.json, PNG plots and an (offline) W&B run into its run
 directory (``output_dir=PATH`` overrides it).
@@ -65,7 +65,7 @@ def sweep_group(run: RunConfig, hydra_cfg: Any) -> tuple[str, str]:
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from experiments.sweep import run_experiment
+    from experiments.runners import get_runner
 
     run = run_config_from(cfg)
     overrides = list(HydraConfig.get().overrides.task)
@@ -76,7 +76,8 @@ def main(cfg: DictConfig) -> None:
         request_host_devices(run.hardware.tensor_parallel_size)  # before JAX starts
     out_dir = run.output_dir or HydraConfig.get().runtime.output_dir
     group, job_type = sweep_group(run, HydraConfig.get())
-    run_experiment(run, out_dir, job_name=job_name(run, overrides), group=group, job_type=job_type)
+    runner = get_runner(run.experiment.runner)
+    runner(run, out_dir, job_name=job_name(run, overrides), group=group, job_type=job_type)
 
 
 if __name__ == "__main__":

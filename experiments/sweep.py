@@ -253,12 +253,8 @@ def run_experiment(
 ) -> list[dict]:
     """The whole sweep: results.jsonl, plots and the W&B run land in ``out_dir``. ``job_name``
     names the W&B run (``experiments.run`` passes the job's swept values), ``group`` and
-    ``job_type`` place it (``experiments.run.sweep_group``).
-    ``experiment=validate_host`` runs ``experiments.validate_host`` instead."""
-    if run.experiment.name == "validate_host":
-        from experiments.validate_host import validate_host
-
-        return validate_host(run, out_dir)
+    ``job_type`` place it (``experiments.run.sweep_group``). Experiments that are not a
+    concurrency sweep name another runner (``experiments.runners``)."""
     out_dir = Path(out_dir)
     results = fresh_results(out_dir)
     config = dataclasses.asdict(run)

@@ -449,6 +449,8 @@ class ExperimentConfig:
     warmup requests as timed ones). SLOs (ms, None = unbounded) define goodput."""
 
     name: str = "concurrency_sweep"
+    # What runs it (experiments.runners.RUNNERS): the concurrency sweep, or a validation
+    runner: str = "sweep"
     models: tuple[str, ...] = ()  # several models in one run (default: the model group's)
     concurrencies: tuple[int, ...] = (1, 4, 16, 64)
     prompts_per_concurrency: int = 3

@@ -174,7 +174,7 @@ def test_mmq_tiles_are_llama_cpp_widths_and_padding_is_exact_at_width_one():
 def test_mmq_tile_padding_explains_one_prompt_moe_prefills():
     """A 512-token prompt gives gpt-oss-120b's 128 experts 16 rows each and Qwen3's 32, each
     computed as a 128-column tile. Without the padding their one-prompt prefills are predicted
-    60% or more too fast in every revision; with it within 30%, nothing refitted on them."""
+    60% or more too fast in every revision; with it within 35%, nothing refitted on them."""
     moes = ("ggml-org/gpt-oss-120b-GGUF", QWEN3)
     pts = [p for p in load_points() if p.model in moes]
     padded, _ = validate(pts)
@@ -185,7 +185,10 @@ def test_mmq_tile_padding_explains_one_prompt_moe_prefills():
 
     assert len(first_errors(padded)) == 2 * len(LLAMA_CPP_SOURCES)
     assert all(e > 0.6 for e in first_errors(exact))
-    assert all(abs(e) < 0.30 for e in first_errors(padded))
+    # 35%: under the random-token routing shape (2.24, fitted on gpt-oss-120b) Qwen3's v1 first
+    # timed prefill is predicted 32% too fast (its text shape, 1.26, gave under 30%); these
+    # points carry a one-time cost no per-step price holds (first_timed_run).
+    assert all(abs(e) < 0.35 for e in first_errors(padded))
 
 
 def test_eager_steps_pay_the_measured_per_layer_host_cost():
@@ -206,8 +209,10 @@ def test_eager_steps_pay_the_measured_per_layer_host_cost():
 
 def test_without_the_eager_host_cost_two_row_moe_decodes_miss_by_more_than_30_percent():
     """The mechanism behind the B=2 decode rows: priced as if graphs replayed them, 6 or more
-    gpt-oss B=2 decode rows miss by more than 30% (+31% to +41%) in the builds before
-    llama.cpp#19645; with the measured eager cost, at most one does."""
+    gpt-oss B=2 decode rows miss by more than 30% (+37% to +47% under the random-token routing
+    shape) in the builds before llama.cpp#19645; with the measured eager cost, at most two do
+    (+30%, +32%: gpt-oss-20b, whose own points imply a less skewed shape than the one fitted on
+    gpt-oss-120b; at most one did under its text shape)."""
     pts = [p for p in load_points() if p.source != LLAMA_CPP_SOURCES[2]
            and p.model.startswith("ggml-org/gpt-oss") and p.batch == 2
            and p.metric == "decode_tok_s"]  # fmt: skip
@@ -221,32 +226,36 @@ def test_without_the_eager_host_cost_two_row_moe_decodes_miss_by_more_than_30_pe
     with_eager, _ = validate(every)
     without, _ = _validate_with(every, graph_max_tokens=None)
     assert misses(without) >= 6
-    assert misses(with_eager) <= 1
+    assert misses(with_eager) <= 2
 
 
 def test_out_of_sample_errors_are_bounded(validated):
-    """Every point not fitted (522): median error 3.3% today, 3 beyond 30%: gpt-oss-20b's first
-    timed runs (+41% to +71%, test above). Every other point is within 30%. The bounds guard
-    today's accuracy with a little room."""
+    """Every point not fitted (522): median error 3.6% today (3.3% when each MoE took its text
+    routing shape; every bench here feeds random ids, so every MoE now takes the one
+    random-token shape fitted on gpt-oss-120b), 7 beyond 30%: four first timed runs (+37% to
+    +70%, test above) and three gpt-oss-20b decodes (+31% to +34%: its own points imply a less
+    skewed shape). The bounds guard today's accuracy with a little room."""
     rows, _ = validated
     s = summary(rows)
     assert s["points"] >= 500
     assert s["median"] < 0.04
-    assert s["beyond_30"] <= 3
+    assert s["beyond_30"] <= 7
     rest = summary(rows, first_run=False)
     assert rest["points"] == s["points"] - 4 * len(LLAMA_CPP_SOURCES)
-    assert rest["beyond_30"] == 0
+    assert rest["beyond_30"] <= 3 and rest["worst"] < 0.35
     decode = summary([r for r in rows if r.point.metric == "decode_tok_s"])
-    assert decode["median"] < 0.05 and decode["beyond_30"] == 0
+    assert decode["median"] < 0.05 and decode["beyond_30"] <= 3
     dense = summary([r for r in rows if r.point.model == DENSE])
     assert dense["median"] < 0.04 and dense["beyond_30"] == 0
 
 
 def test_moe_decode_growth_with_batch(validated):
-    """Decode rate at B=32 over B=1 (pp=512): the dense 7B's ~20x within 10%; gpt-oss-20b's
-    ~7.5x within 20% (its own router's law); Qwen3's ~6x within 30% (goal: 15%)."""
+    """Decode rate at B=32 over B=1 (pp=512): the dense 7B's ~20x within 10%; Qwen3's ~6x
+    within 10% under the random-token shape fitted on gpt-oss-120b (it was 23-25% too slow
+    under its text shape); gpt-oss-20b's ~7.5x within 25% (+10% to +22%: over-predicted, its
+    own points imply a shape of 1.4-1.8 where 2.24 is used)."""
     rows, _ = validated
-    bounds = {DENSE: 0.10, GPT_OSS_20B: 0.20, QWEN3: 0.30}
+    bounds = {DENSE: 0.10, GPT_OSS_20B: 0.25, QWEN3: 0.10}
     g = growth(rows)
     for (source, model), (published, predicted) in g.items():
         if model in bounds:

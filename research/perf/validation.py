@@ -31,11 +31,12 @@ Spark), and the grouped expert GEMM pads every expert's rows to its MMQ column t
 fitted once per revision on the dense model's deepest prefill (pp2048 at depth 32,768, where
 attention is most of the time) and shared by every model of that revision. Every other point is
 predicted. MoE decode reads the distinct experts of the ``lognormal`` routing law
-(``research.perf.routing``), whose shape comes from measured router statistics, not from these
-points, except for gpt-oss-120b: no statistic of its router was found, so its shape is the one
-its B=32 pp=512 decode points imply (those points are marked fitted), and it is tested on the
-vLLM profile's curve of the same model (``research.perf.validation_vllm``, the report's last
-section), which nothing was fitted on but its C=1 point.
+(``research.perf.routing``) with the shape of RANDOM token ids, which both benches feed: one
+shape for every model, fitted on gpt-oss-120b's B=32 pp=512 decode points (those three points
+are marked fitted) and predicted for every other model and point, and for the vLLM profile's
+curve of gpt-oss-120b (``research.perf.validation_vllm``, the report's last section), which
+nothing was fitted on but its C=1 point. The mechanisms are the ``llama_cpp`` engine profile's
+(``research.perf.engines.profiles``), the profile every ``engine=llama_cpp`` experiment runs.
 
 ``python -m research.perf.validation`` prints the report (docs/experiments/gb10_validation.md).
 Pure Python (scipy for the fit); JAX is not imported.
@@ -66,6 +67,8 @@ GGUF_MODELS: dict[str, tuple[str, str]] = {
     "ggml-org/gpt-oss-120b-GGUF": ("gpt-oss-120b", "gguf_mxfp4"),
 }
 LLAMA_CPP_SOURCES = ("llamacpp_dgx_spark_v1", "llamacpp_dgx_spark_v2", "llamacpp_dgx_spark_v3")
+# llama-batched-bench and llama-bench feed random token ids.
+TOKEN_SOURCE = "random"
 
 
 @dataclass(frozen=True)
@@ -119,34 +122,43 @@ def eager_layer_overhead(path: Path = DATA) -> float:
     return statistics.fmean(per_layer)
 
 
-PROFILES = {
-    "llama.cpp": EngineProfile(
+def _llama_cpp_replay() -> EngineProfile:
+    """``llama-batched-bench`` / ``llama-bench`` as the page ran them, on the mechanisms of the
+    ``llama_cpp`` engine profile (``research.perf.engines.profiles.LLAMA_CPP``: one source for
+    the validation and every ``engine=llama_cpp`` experiment)."""
+    from research.perf.engines.profiles import LLAMA_CPP
+
+    return EngineProfile(
         name="llama.cpp",
         batching="static",
-        ubatch=2048,
-        combine={"dense_gemm": "sum", "attention": "sum", "lm_head": "sum", "expert_gemm": "max"},
+        ubatch=2048,  # the page's -ub 2048 (the server's default is 512)
+        combine=LLAMA_CPP.combine,
         kv_cache_dtype="auto",  # f16 K/V: 2 bytes, as bf16
         dtype="float16",
-        block_size=256,  # flash attention reads the contiguous cache in 256-key tiles
+        block_size=LLAMA_CPP.kv_read_block,
         fitted=("bandwidth_efficiency", "native_gemm_efficiency"),
         # A step of one token row replays a CUDA graph: ~0.1 ms of host time, an assumption.
         # Every step of more rows is launched kernel by kernel (the builds on the page predate
         # llama.cpp#19645, which first captured graphs for them) and pays the per-layer host
         # cost llama.cpp's own graphs-on/off A/B on a DGX Spark measures.
         fixed={"per_step_overhead_s": 1e-4, "eager_layer_overhead_s": eager_layer_overhead()},
-        graph_max_tokens=1,
+        graph_max_tokens=LLAMA_CPP.graph_max_tokens,
         # MMQ cuts every expert's routed rows into tiles as wide as the ubatch asks for (128
         # columns from 128 tokens up): a 512-token prompt gives gpt-oss-120b's 128 experts 16
         # rows each on average, computed as 128.
-        expert_tiles="mmq",
+        expert_tiles=LLAMA_CPP.expert_tiles,
         # Flash attention's rate: the deepest prefill of the dense model, where attention is
         # two thirds of the time; every other model of the revision takes that rate.
         shared={
             "attention_efficiency": ("ggml-org/Qwen2.5-Coder-7B-Q8_0-GGUF", "bench pp2048 @ d32768")
         },
+        # The benches feed random token ids: every MoE takes the random-token routing shape
+        # (research.perf.routing.routing_for), fitted on these points of gpt-oss-120b.
         routing_fit={"ggml-org/gpt-oss-120b-GGUF": "batched tg B=32 pp=512"},
-    ),
-}
+    )
+
+
+PROFILES = {"llama.cpp": _llama_cpp_replay()}
 
 
 @dataclass(frozen=True)
@@ -219,9 +231,13 @@ def is_fit_point(p: Point, profile: EngineProfile | None = None) -> bool:
 
 def cost_model(model: str, params: CostParams, profile: EngineProfile, **options: Any) -> CostModel:
     """The cost model of a published GGUF ``model`` under ``profile``."""
+    from research.perf.routing import routing_for
+
     preset, fmt = GGUF_MODELS[model]
+    law, shape = routing_for(preset, TOKEN_SOURCE)
     options = {
-        "moe_routing": profile.routing,
+        "moe_routing": law,
+        "moe_load_sigma": shape,
         "graph_max_tokens": profile.graph_max_tokens,
         "expert_tiles": profile.expert_tiles,
     } | options
@@ -514,14 +530,14 @@ def format_report(rows: Sequence[Row], params: dict[tuple[str, str], CostParams]
              "|---|---:|---:|---:|"]  # fmt: skip
     for key, (pub, pred) in growth(rows).items():
         head.append(f"| {key[1]} ({key[0]}) | {pub:.2f}x | {pred:.2f}x | {pred / pub - 1:+.1%} |")
-    from research.perf.routing import load_sigma
+    from research.perf.routing import routing_for
 
     head += ["", "Diagnostic (not used by the model): the lognormal routing shape at which the "
              "fitted model meets the published B=32 pp=512 decode rate, against the shape in "
-             "use (from router measurements on natural text).", "",
+             "use (random token ids: one shape, fitted on gpt-oss-120b's points).", "",
              "| model (source) | shape in use | shape the B=32 point implies |", "|---|---:|---:|"]  # fmt: skip
     for key, sigma in implied_sigma(rows, params).items():
-        used = load_sigma(GGUF_MODELS[key[1]][0])
+        used = routing_for(GGUF_MODELS[key[1]][0], TOKEN_SOURCE)[1]
         head.append(f"| {key[1]} ({key[0]}) | {used:.2f} | {sigma:.2f} |")
     return "\n".join(head + lines)
 
@@ -542,7 +558,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from research.perf import validation_vllm
 
     print("\n## vLLM profile: continuous batching through our scheduler\n")
-    print(validation_vllm.format_report(*validation_vllm.validate(moe_routing="lognormal")))
+    print(validation_vllm.format_report(*validation_vllm.validate()))
     if args.write_errors:
         print(f"\nwrote {write_errors(rows)}")
 

@@ -17,7 +17,7 @@ holds the other requests' prefills too (that is why the published curve stops gr
 For C = 1 the same formula is the request's decode rate.
 
 Fit: ``bandwidth_efficiency`` on the C = 1 point (a decode-only rate); every other parameter is
-the GB10 calibration (``calibration.params_for("gb10")``, fitted on vLLM single-request points
+the vLLM profile's GB10 calibration (``engines.calibration.vllm_gb10_params``, fitted on vLLM single-request points
 of other models). Every point past C = 1 is predicted.
 """
 
@@ -43,12 +43,9 @@ VLLM_SOURCES: dict[str, dict[str, Any]] = {
         "gpu_memory_utilization": 0.70,
         "max_model_len": 4096,
         "client": "llama-benchy",
+        "token_source": "random",  # llama-benchy's prompts are random token ids
     },
 }
-# vllm serve's scheduler defaults on a device reporting >= 70 GiB (GB10 included).
-MAX_NUM_SEQS = 1024
-MAX_NUM_BATCHED_TOKENS = 8192
-BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -86,17 +83,33 @@ def load_burst_points() -> tuple[BurstPoint, ...]:
     )
 
 
+def serving(source: str) -> Any:
+    """The ``vllm`` engine profile on GB10 as the source ran it (``research.perf.engines``: the
+    same resolution every ``engine=vllm`` experiment goes through)."""
+    from research.perf.engines import resolve
+
+    s = VLLM_SOURCES[source]
+    return resolve(
+        "vllm",
+        "gb10",
+        model=s["preset"],
+        quantization=s["quantization"],
+        token_source=s["token_source"],
+        max_model_len=s["max_model_len"],
+        enable_prefix_caching=False,  # random prompts share nothing
+    )
+
+
 def cost_model(source: str, params: CostParams, **options: Any) -> CostModel:
     s = VLLM_SOURCES[source]
+    profile = serving(source).cost_model_options | {"params": params}
     return CostModel(
         s["preset"],
         s["quantization"],
         "gb10",
         kv_cache_dtype=s["kv_cache_dtype"],
-        params=params,
-        block_size=BLOCK_SIZE,
         quantized_weights=s["quantized_weights"],
-        **options,
+        **(profile | options),
     )
 
 
@@ -109,20 +122,29 @@ def replay(p: BurstPoint, cm: CostModel) -> dict[str, Any]:
     from research.perf import kv_capacity_blocks
     from research.perf.host_model import simulated_engine
 
-    s = VLLM_SOURCES[p.source]
+    s, serve = VLLM_SOURCES[p.source], serving(p.source)
     blocks = kv_capacity_blocks(
         cm.cfg,
         s["quantization"],
         "gb10",
         s["gpu_memory_utilization"],
-        BLOCK_SIZE,
+        serve.block_size,
         kv_cache_dtype=s["kv_cache_dtype"],
     )
     engine = simulated_engine(
         cm,
-        CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=blocks, enable_prefix_caching=False),
-        SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS),
-        s["max_model_len"],
+        CacheConfig(
+            block_size=serve.block_size,
+            num_kv_blocks=blocks,
+            enable_prefix_caching=serve.enable_prefix_caching,
+        ),
+        SchedulerConfig(
+            max_num_seqs=serve.max_num_seqs,
+            max_num_batched_tokens=serve.max_num_batched_tokens,
+            scheduling_policy=serve.profile.scheduling_policy,
+            enable_chunked_prefill=serve.enable_chunked_prefill,
+        ),
+        serve.max_model_len,
     )
     reqs = random_requests(p.concurrency, p.input_len, p.output_len, seed=p.concurrency)
     for i, r in enumerate(reqs):
@@ -183,9 +205,9 @@ def validate(
     """Per source: fit on its C = 1 point, replay every point."""
     import numpy as np
 
-    from research.perf.calibration import params_for
+    from research.perf.engines.calibration import vllm_gb10_params
 
-    base = params_for("gb10") if base is None else base
+    base = vllm_gb10_params() if base is None else base
     points = list(load_burst_points() if points is None else points)
     rows, params = [], {}
     for source in dict.fromkeys(p.source for p in points):
@@ -215,17 +237,16 @@ def format_report(
 ) -> str:
     """The table per source; with ``ablation``, the same replay under other assumptions
     (gpt-oss-20b's measured routing shape, uniform routing, weight-only GEMMs) for comparison."""
-    from research.perf.routing import LOAD_SIGMA, load_sigma
+    from research.perf.routing import LOAD_SIGMA
 
     lines = []
     for source, prm in params.items():
         rs = [r for r in rows if r.point.source == source]
-        preset = VLLM_SOURCES[source]["preset"]
         lines += [
             f"\n### {rs[0].point.model} ({source}), vLLM profile  bandwidth_efficiency "
             f"{prm.bandwidth_efficiency:.3f} (fitted on C=1), per_step_overhead "
-            f"{prm.per_step_overhead_s * 1e3:.2f} ms (GB10 calibration), lognormal routing "
-            f"shape {load_sigma(preset):.2f}\n",
+            f"{prm.per_step_overhead_s * 1e3:.2f} ms (vLLM GB10 calibration), lognormal routing "
+            f"shape {serving(source).routing_shape:.2f} (random tokens)\n",
             "| point | published tok/s | predicted tok/s | error | predicted p99 TTFT (s) |",
             "|---|---:|---:|---:|---:|",
         ]
@@ -243,7 +264,7 @@ def format_report(
                 ("uniform routing", {"moe_routing": "uniform"}),
                 ("W4A16 (Marlin-style) kernels", {"weight_only": True}),
             ):
-                alt, _ = validate(points, **({"moe_routing": "lognormal"} | options))
+                alt, _ = validate(points, **options)
                 lines.append(f"- with {name}: {_summary(alt)}; growth {_growth(alt)}")
     return "\n".join(lines)
 
@@ -261,9 +282,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--routing", default=None, help="MoE routing law (default: lognormal)")
+    ap.add_argument("--routing", default=None, help="MoE routing law (default: the tokens')")
     args = ap.parse_args(argv)
-    options = {"moe_routing": args.routing or "lognormal"}
+    options = {} if args.routing is None else {"moe_routing": args.routing}
     rows, params = validate(**options)
     print(format_report(rows, params))
 
