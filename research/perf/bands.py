@@ -3,10 +3,12 @@ points leave open, so a figure shows how much a prediction depends on them.
 
 Two assumptions are not pinned by single-request points:
 
-- the MoE routing law at batch (``research.perf.routing``): the central curve uses
-  ``sequence_locality``; the optimistic corner ``hot_set`` (one global hot set: a batch never
-  touches more experts than one prompt does), the pessimistic corner ``uniform`` (no locality
-  even inside a prompt: prefills touch every expert);
+- the MoE routing law at batch (``research.perf.routing``): around the ``lognormal`` law of
+  the workload's tokens (what experiments use) its shape's plausible range, the most and the
+  least concentrated shapes public random-token batches imply (``RANDOM_TOKEN_SIGMA_RANGE``);
+  around any other law, the optimistic corner ``hot_set`` (one global hot set: a batch never
+  touches more experts than one prompt does) and the pessimistic corner ``uniform`` (no
+  locality even inside a prompt: prefills touch every expert);
 - how host time splits between per-step and per-sequence work: the fit gives their sum at
   batch 1; the corners put 0 and twice ``ASSUMED_PER_SEQ_OVERHEAD_S`` per sequence (keeping the
   batch-1 total).
@@ -38,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from research.perf.cost_model import CostModel, StepShape
-from research.perf.routing import DEFAULT_ROUTING
+from research.perf.routing import DEFAULT_ROUTING, RANDOM_TOKEN_SIGMA_RANGE
 
 BAND_METRICS = (
     "output_throughput",
@@ -59,6 +61,13 @@ def band_variants(model: CostModel) -> dict[str, CostModel]:
         p, per_step_overhead_s=max(0.0, host - heavy_seq), per_seq_overhead_s=heavy_seq
     )
     corners = {"optimistic": (lean, "hot_set"), "pessimistic": (heavy, "uniform")}
+    shapes: dict[str, dict] = {"optimistic": {}, "pessimistic": {}}
+    if model.moe_routing == "lognormal":
+        # Around a lognormal law the corners are its shape's plausible range: the most and the
+        # least concentrated shapes public random-token batches imply (routing.py).
+        lo, hi = RANDOM_TOKEN_SIGMA_RANGE
+        corners = {"optimistic": (lean, "lognormal"), "pessimistic": (heavy, "lognormal")}
+        shapes = {"optimistic": {"moe_load_sigma": hi}, "pessimistic": {"moe_load_sigma": lo}}
     out = {}
     for name, (params, law) in corners.items():
         routing = law if model.cfg.is_moe else DEFAULT_ROUTING
@@ -66,7 +75,7 @@ def band_variants(model: CostModel) -> dict[str, CostModel]:
             model.cfg,
             model.quantization,
             model.hw,
-            **(opts | {"params": params, "moe_routing": routing}),
+            **(opts | {"params": params, "moe_routing": routing} | shapes[name]),
         )
     return out
 

@@ -213,6 +213,10 @@ LOAD_SIGMAS = {
 # the shape its model's router statistic gives (``LOAD_SIGMAS``).
 TOKEN_SOURCES = ("random", "text")
 RANDOM_TOKEN_SIGMA = INFERRED_SIGMA_GPT_OSS_120B
+# The spread of shapes the page's MoE batch-32 decode points imply (validation.implied_sigma
+# over three revisions: gpt-oss-20b 1.37-1.82, Qwen3-Coder 2.03-2.09, gpt-oss-120b 2.14-2.36):
+# the prediction band's corners under the lognormal law (research.perf.bands).
+RANDOM_TOKEN_SIGMA_RANGE = (1.37, 2.36)
 RANDOM_TOKEN_FIT = {"model": "gpt-oss-120b", "points": "llama-batched-bench tg B=32 pp=512"}
 
 
