@@ -63,7 +63,7 @@ def test_llama_cpp_slots_cap_the_batch_and_split_the_context():
 
 def test_sglang_radix_cache_hits_where_vllm_hash_cache_does_and_inside_a_block():
     """Two prompts sharing 100 tokens: vLLM's hash cache reuses whole 16-token blocks (96
-    tokens), SGLang's radix tree every shared token (100, less the one vLLM recomputes too)."""
+    tokens), SGLang's radix tree every shared token (100)."""
     shared = list(range(1, 101))
     prompts = [
         dataclasses.replace(r, prompt_token_ids=shared + r.prompt_token_ids[100:])

@@ -84,7 +84,6 @@ class EngineProfile:
     block_size: int  # KV granule the attention kernel reads
     fitted: tuple[str, ...]  # CostParams fields fitted per model
     fixed: dict[str, float] = field(default_factory=dict)  # CostParams fields assumed
-    routing: str = "lognormal"  # research.perf.routing law of its MoE decodes
     # CostParams fields fitted once per source on one model's point, shared by every model of
     # that source: field -> (model, point label).
     shared: dict[str, tuple[str, str]] = field(default_factory=dict)
