@@ -187,6 +187,10 @@ class CacheOptions:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 
 
+# research.perf.engines.PROFILES has one profile per name (checked where they are defined).
+ENGINE_NAMES = ("vllm", "llama_cpp", "ollama", "sglang", "static")
+
+
 @dataclass(frozen=True)
 class ServingConfig:
     """The ``engine`` group: which serving engine is modelled (``research.perf.engines.
@@ -203,9 +207,10 @@ class ServingConfig:
     ctx_size: int | None = None
 
     def __post_init__(self) -> None:
-        from research.perf.engines.profiles import get_profile
-
-        get_profile(self.name)  # an unknown engine names the ones there are
+        # The names are checked here, not by importing the profiles: research.perf imports
+        # this module, and a default RunConfig is built at import time.
+        if self.name not in ENGINE_NAMES:
+            raise ValueError(f"unknown engine {self.name!r}; expected one of {sorted(ENGINE_NAMES)}")
 
     def overrides(self) -> dict[str, Any]:
         return {

@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from research.config import ENGINE_NAMES
+
 PREFIX_CACHES = ("hash", "radix", "none")
 POLICIES = ("continuous", "static")
 # llama.cpp's CUDA backend: dense GEMMs, attention and the output layer do not overlap their math
@@ -252,6 +254,8 @@ SGLANG = EngineProfile(
 
 PROFILES: dict[str, EngineProfile] = {p.name: p for p in (VLLM, LLAMA_CPP, OLLAMA, SGLANG, STATIC)}
 DEFAULT_ENGINE = "vllm"
+if set(PROFILES) != set(ENGINE_NAMES):  # config validates engine= against ENGINE_NAMES
+    raise RuntimeError(f"profiles {sorted(PROFILES)} differ from config's {sorted(ENGINE_NAMES)}")
 
 
 def get_profile(name: str | EngineProfile) -> EngineProfile:
