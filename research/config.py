@@ -210,7 +210,9 @@ class ServingConfig:
         # The names are checked here, not by importing the profiles: research.perf imports
         # this module, and a default RunConfig is built at import time.
         if self.name not in ENGINE_NAMES:
-            raise ValueError(f"unknown engine {self.name!r}; expected one of {sorted(ENGINE_NAMES)}")
+            raise ValueError(
+                f"unknown engine {self.name!r}; expected one of {sorted(ENGINE_NAMES)}"
+            )
 
     def overrides(self) -> dict[str, Any]:
         return {
