@@ -4,7 +4,7 @@ against public DGX Spark (GB10) log lines.
 ``vllm_kv_cache_tokens`` and its neighbours reproduce vLLM's startup arithmetic (the page size
 per layer group, ``num_blocks``, the "GPU KV cache size" line, the budget and the CUDA-graph term,
 version by version); ``python -m research.perf.vllm_kv`` checks both that and our own
-``research.perf.kv_capacity.kv_capacity`` against the log lines in
+``research.perf.vllm_memory`` (the byte budget from first principles) against the log lines in
 research/perf/data/gb10_vllm_kv_logs.json (docs/experiments/kv_capacity_gb10.md). Pure Python:
 JAX is not imported.
 """
@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from research.config import ModelConfig
-from research.perf.hardware import GiB, Hardware, get_hardware
+from research.perf.hardware import GiB
 from research.perf.kv_capacity import (
     VLLM_BATCH_DEFAULTS_LARGE,
     dtype_bytes,
-    kv_capacity,
     resolve_model,
 )
 
@@ -316,7 +315,7 @@ def _vllm_pool_tokens(record: dict[str, Any], available_bytes: float) -> int:
     raise ValueError(f"{record['id']}: unknown compare {record['compare']!r}")
 
 
-def check_vllm_log(record: dict[str, Any], hardware: str | Hardware = "gb10") -> dict[str, Any]:
+def check_vllm_log(record: dict[str, Any]) -> dict[str, Any]:
     """One log record checked three ways:
 
     - ``reproduced``: vLLM's arithmetic on the logged "Available KV cache memory" (taken from
@@ -324,9 +323,9 @@ def check_vllm_log(record: dict[str, Any], hardware: str | Hardware = "gb10") ->
       tensor parallelism and max_model_len: the number the log should print;
     - ``reproduced_range``: the same for the two ends of the 0.01 GiB the printed figure
       rounds, so a raw log line must fall inside it;
-    - ``predicted``: our own ``kv_capacity`` on ``hardware`` with our weight and activation
-      estimates and nothing from the log but the launch settings (None when our weights and
-      activations leave no room for a block).
+    - ``predicted``: vLLM's memory profile (``research.perf.vllm_memory``: the driver's
+      reported total, our weight and forward-peak terms, the one fitted non-torch term) from
+      nothing in the log but the launch settings (None when no block is left).
 
     Where the log prints them, the budget (ceil(total * utilization)) and the KV bytes one
     max_model_len request needs are recomputed too."""
@@ -339,21 +338,14 @@ def check_vllm_log(record: dict[str, Any], hardware: str | Hardware = "gb10") ->
         _vllm_pool_tokens(record, available - half),
         _vllm_pool_tokens(record, available + half),
     )
-    try:
-        predicted: int | None = kv_capacity(
-            record["preset"],
-            record["quantization"],
-            hardware,
-            record["gpu_memory_utilization"],
-            record["block_size"],
-            record["kv_cache_dtype"],
-            record["dtype"],
-            max_num_batched_tokens=record.get("max_num_batched_tokens"),
-            max_num_seqs=record.get("max_num_seqs"),
-            tensor_parallel_size=record["tensor_parallel_size"],
-        ).num_tokens
-    except ValueError:  # our estimates leave nothing for the KV cache
-        predicted = None
+    from research.perf.vllm_memory import check_record
+
+    try:  # vLLM's memory profile from the launch settings alone (research.perf.vllm_memory)
+        profile = check_record(record)
+        predicted: int | None = profile["predicted"]
+        predicted_available: float | None = profile["available_gib"]
+    except ValueError:  # our terms leave nothing for the KV cache
+        predicted = predicted_available = None
     out: dict[str, Any] = {
         "id": record["id"],
         "compare": record["compare"],
@@ -364,6 +356,7 @@ def check_vllm_log(record: dict[str, Any], hardware: str | Hardware = "gb10") ->
         "within_print_rounding": reproduced_range[0] <= target <= reproduced_range[1],
         "predicted": predicted,
         "predicted_error": None if predicted is None else predicted / target - 1,
+        "predicted_available_gib": predicted_available,
     }
     if "total_memory_gib" in logged and "requested_memory_gib" in logged:
         requested = vllm_requested_bytes(
@@ -396,31 +389,45 @@ def _short_version(version: str) -> str:
 
 
 def format_kv_validation(
-    records: list[dict[str, Any]] | None = None, hardware: str | Hardware = "gb10"
+    records: list[dict[str, Any]] | None = None,
 ) -> str:
     """A table of every GB10 log record: the logged pool in tokens, vLLM's arithmetic on the
-    logged available memory ("reproduced"), and our full ``kv_capacity`` prediction, with their
+    logged available memory ("reproduced"), and vLLM's memory profile's prediction, with their
     errors; then the per-record checks of the budget and the needed-memory line."""
     records = load_gb10_vllm_logs() if records is None else records
-    hw = get_hardware(hardware)
-    rows = [check_vllm_log(r, hw) for r in records]
+    from research.perf.vllm_memory import (
+        GB10_DRIVER,
+        GB10_REPORTED_TOTAL,
+        NON_TORCH_BYTES,
+        NON_TORCH_RECORD,
+    )
+
+    rows = [check_vllm_log(r) for r in records]
     by_id = {r["id"]: r for r in records}
     header = (
         f"{'record':<32} {'vLLM':<10} {'util':>4} {'TP':>2} {'avail GiB':>9} "
-        f"{'logged':>9} {'reproduced':>10} {'err':>7} {'predicted':>9} {'err':>7}"
+        f"{'logged':>9} {'reproduced':>10} {'err':>7} {'predicted':>9} {'err':>7} "
+        f"{'pred avail':>10} {'err':>7}"
     )
     lines = [
-        f"vLLM KV-cache size on DGX Spark (GB10): logged vs reproduced from the logged available "
-        f"memory vs our kv_capacity on '{hw.name}' ({hw.cuda_visible_bytes / GiB:.2f} GiB)",
+        "vLLM KV-cache size on DGX Spark (GB10): logged vs reproduced from the logged available "
+        "memory vs predicted by vLLM's memory profile from the launch settings "
+        f"(research.perf.vllm_memory; reported total {GB10_REPORTED_TOTAL[GB10_DRIVER] / GiB:.2f} "
+        f"GiB, non-torch {NON_TORCH_BYTES / GiB:.2f} GiB fitted on {NON_TORCH_RECORD})",
         header,
         "-" * len(header),
     ]
     for row in rows:
         rec = by_id[row["id"]]
         if row["predicted"] is None:
-            predicted = f"{'none fit':>9} {'':>7}"
+            predicted = f"{'none fit':>9} {'':>7} {'':>10} {'':>7}"
         else:
-            predicted = f"{row['predicted']:>9,} {row['predicted_error']:>+7.1%}"
+            avail = row["predicted_available_gib"]
+            logged_avail = rec["logged"]["available_kv_cache_gib"]
+            predicted = (
+                f"{row['predicted']:>9,} {row['predicted_error']:>+7.1%} {avail:>10.2f} "
+                f"{avail / logged_avail - 1:>+7.1%}"
+            )
         lines.append(
             f"{row['id']:<32} {_short_version(rec['vllm_version']):<10} "
             f"{rec['gpu_memory_utilization']:>4.2f} {rec['tensor_parallel_size']:>2} "
@@ -462,12 +469,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--validate",
         action="store_true",
-        help="(the default) check vLLM's KV arithmetic and kv_capacity against GB10 log lines",
+        help="(the default) check vLLM's KV arithmetic and memory profile against GB10 logs",
     )
     parser.add_argument("--logs", default=str(GB10_VLLM_LOGS), help="log records (JSON)")
-    parser.add_argument("--hardware", default="gb10", help="machine for the full prediction")
     args = parser.parse_args(argv)
-    print(format_kv_validation(load_gb10_vllm_logs(args.logs), args.hardware))
+    print(format_kv_validation(load_gb10_vllm_logs(args.logs)))
     return 0
 
 

@@ -75,6 +75,9 @@ class EngineProfile:
     kv_read_block: int | None = None  # tokens per K/V read granule (None: the block size)
     # requested quantization -> the format the engine stores (None: any engine format as is)
     weight_formats: dict[str | None, str | None] | None = None
+    # how a paged pool is sized on a named machine: "vllm" (research.perf.vllm_memory: vLLM's
+    # memory profile on the device's reported total) or "capacity" (kv_capacity's estimate)
+    memory_profile: str = "capacity"
     # CostParams fields this engine assumes (not fitted): name -> value
     fixed: dict[str, float] = field(default_factory=dict)
     calibration: str = "vllm"  # whose GB10 fit it uses (research.perf.engines.calibration)
@@ -85,6 +88,8 @@ class EngineProfile:
             raise ValueError(f"{self.name}: scheduling_policy must be one of {POLICIES}")
         if self.prefix_cache not in PREFIX_CACHES:
             raise ValueError(f"{self.name}: prefix_cache must be one of {PREFIX_CACHES}")
+        if self.memory_profile not in ("vllm", "capacity"):
+            raise ValueError(f"{self.name}: memory_profile must be 'vllm' or 'capacity'")
         if not self.paged and self.parallel is None:
             raise ValueError(f"{self.name}: an engine without paging needs its slot count")
 
@@ -112,6 +117,7 @@ VLLM = EngineProfile(
     block_size=16,
     gpu_memory_utilization=0.9,
     combine="max",
+    memory_profile="vllm",
     sources={
         "scheduling_policy": "vllm/v1/core/sched/scheduler.py: one token budget shared by "
         "running decodes first, then waiting prompts, chunked",
@@ -121,6 +127,9 @@ VLLM = EngineProfile(
         "OPENAI_API_SERVER on GPUs >= 70 GiB -> 1024 seqs / 8192 tokens, else 256 / 2048",
         "block_size": "vllm/config/cache.py: 16 on CUDA",
         "gpu_memory_utilization": "vllm/config/cache.py: 0.9",
+        "memory_profile": "vllm/v1/worker/gpu_worker.py determine_available_memory: "
+        "ceil(total * utilization) - weights - non-torch - profile-run peak; 0.12 captures "
+        "CUDA graphs after the pool (research/perf/vllm_memory.py)",
         "graph_max_tokens": "vllm/config/vllm.py: CUDA graphs captured up to min(2 * "
         "max_num_seqs, 512) tokens; not charged apart: the fitted per-step host time holds "
         "the launches (every calibration point is a captured decode or one large prefill)",

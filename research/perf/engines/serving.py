@@ -157,12 +157,17 @@ def resolve(
     token_source: str = "random",
     max_model_len: int | None = None,
     simulated: bool | None = None,
+    gpu_memory_utilization: float | None = None,
+    tensor_parallel_size: int = 1,
+    kv_cache_dtype: str = "auto",
     **overrides: Any,
 ) -> Serving:
     """The engine ``engine`` on ``hardware`` (None or ``"host"``: this machine, real executor)
     with ``overrides`` (``EngineProfile.options``; None = the profile's default). ``simulated``
     (default: a named machine) adds the cost-model options, calibration and routing law of
-    ``model`` at ``quantization`` on tokens from ``token_source``."""
+    ``model`` at ``quantization`` on tokens from ``token_source``, and a paged engine whose
+    profile says ``memory_profile="vllm"`` gets the pool vLLM's memory profile leaves
+    (``research.perf.vllm_memory``) at ``gpu_memory_utilization`` (default: the profile's)."""
     from research.perf.kv_capacity import vllm_batch_defaults
 
     prof = get_profile(engine)
@@ -193,7 +198,29 @@ def resolve(
         return serving
     if model is None:
         raise ValueError("a simulated engine needs the model it serves")
-    return _with_costs(replace(serving, quantization=quantization), hardware, model, token_source)
+    serving = replace(serving, quantization=quantization)
+    # vLLM's pages hold bf16 or fp8 K/V; our int4 pages (an ablation) keep kv_capacity's sizing.
+    if prof.paged and prof.memory_profile == "vllm" and named and kv_cache_dtype != "int4":
+        from research.perf.vllm_memory import vllm_memory_profile
+
+        util = (
+            prof.gpu_memory_utilization
+            if gpu_memory_utilization is None
+            else gpu_memory_utilization
+        )
+        mem = vllm_memory_profile(
+            model,
+            quantization,
+            hardware,
+            util,
+            max_num_batched_tokens=budget,
+            tensor_parallel_size=tensor_parallel_size,
+            block_size=block,
+            kv_cache_dtype=kv_cache_dtype,
+            max_model_len=max_model_len,
+        )
+        serving = replace(serving, num_kv_blocks=mem.kv.num_blocks)
+    return _with_costs(serving, hardware, model, token_source)
 
 
 def _with_costs(serving: Serving, hardware: str, model: str, token_source: str) -> Serving:
@@ -235,10 +262,15 @@ def from_run(run: Any, model: str | None = None) -> Serving:
         token_source=run.workload.token_source,
         max_model_len=run.model.max_model_len,
         simulated=simulated,
+        gpu_memory_utilization=run.hardware.gpu_memory_utilization,
+        tensor_parallel_size=run.hardware.tensor_parallel_size,
+        kv_cache_dtype=run.quantization.kv_cache_dtype,
         block_size=run.cache.block_size,
         enable_prefix_caching=run.cache.enable_prefix_caching,
         **run.engine.overrides(),
     )
+    if run.cache.num_kv_blocks is not None:  # the user's pool size wins over any sizing
+        serving = replace(serving, num_kv_blocks=run.cache.num_kv_blocks)
     law = run.hardware.moe_routing
     if simulated and law is not None and law != serving.routing:
         options = serving.cost_model_options | {"moe_routing": law}
