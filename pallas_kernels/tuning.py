@@ -222,6 +222,18 @@ FALLBACK = GpuTarget(
     grouped_experts=GroupedExpertsConfig(block_n=64, block_k=64, num_stages=2),
 )
 
+# The GPUs the fallback stands for, each compiled for by ``pallas_kernels.verify``: Ampere
+# (sm_80: A100; sm_86: A10, A40, RTX 30) and Ada (sm_89: L4, L40S, RTX 40). On such a GPU the
+# engine runs ``FALLBACK`` at the device's own compute capability (``fallback_for``).
+FALLBACK_CAPABILITIES = (80, 86, 89)
+
+
+def fallback_for(compute_capability: int) -> GpuTarget:
+    """``FALLBACK`` on a GPU of ``compute_capability``: the same blocks and table entries (its
+    name is the table's key); the lowering and fp8 follow the capability."""
+    return dataclasses.replace(FALLBACK, compute_capability=compute_capability)
+
+
 # Pallas' interpreter on CPU (tests): block sizes only change how many grid points run.
 INTERPRET = GpuTarget(
     name="interpret",
@@ -371,11 +383,8 @@ def _local_target(backend: str) -> GpuTarget:
         cc = getattr(gpus[0], "compute_capability", None)
         if isinstance(cc, str) and "." in cc:
             major, minor = cc.split(".")[:2]
-            target = dataclasses.replace(target, compute_capability=int(major) * 10 + int(minor))
+            target = fallback_for(int(major) * 10 + int(minor))
     return target
-
-
-target_for_backend.cache_clear = _local_target.cache_clear  # type: ignore[attr-defined]
 
 
 target_for_backend.cache_clear = _local_target.cache_clear  # type: ignore[attr-defined]

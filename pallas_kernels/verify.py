@@ -37,7 +37,14 @@ from pallas_kernels.triton_ir import (
     lower_triton_modules,
     triton_compiler_available,
 )
-from pallas_kernels.tuning import FALLBACK, FP8_MIN_CAPABILITY, TARGETS, GpuTarget
+from pallas_kernels.tuning import (
+    FALLBACK,
+    FALLBACK_CAPABILITIES,
+    FP8_MIN_CAPABILITY,
+    TARGETS,
+    GpuTarget,
+    fallback_for,
+)
 from research.quant import FORMATS, quantize
 from research.quant.kv import kv_code_dtype, kv_code_shape
 from research.quant.layout import awq_group_size
@@ -354,9 +361,18 @@ def check_case(case: KernelCase, target: GpuTarget, compile: bool) -> CaseResult
     return CaseResult(case, module, compiled, tuple(problems))
 
 
+def verify_targets() -> dict[str, list[GpuTarget]]:
+    """What each ``--targets`` name compiles for: H200 (sm_90), GB10 (sm_121), and the fallback
+    at every capability it stands for (``FALLBACK_CAPABILITIES``: sm_80, sm_86, sm_89)."""
+    return {
+        **{name: [target] for name, target in TARGETS.items()},
+        FALLBACK.name: [fallback_for(cc) for cc in FALLBACK_CAPABILITIES],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    all_targets = {**TARGETS, FALLBACK.name: FALLBACK}
+    all_targets = verify_targets()
     parser.add_argument("--targets", default=",".join(all_targets))
     parser.add_argument("--no-compile", action="store_true", help="verify the IR only")
     parser.add_argument("--quick", action="store_true", help="the tests' smaller set")
@@ -368,9 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     if compile and (reason := triton_compiler_available()):
         print(f"offline compilation skipped: {reason}")
         compile = False
-    failures = 0
-    for name in args.targets.split(","):
-        target = all_targets[name]
+    failures, summary = 0, []
+    for target in [t for name in args.targets.split(",") for t in all_targets[name]]:
         print(
             f"\n== {target.name}: sm_{target.compute_capability}, shared memory limit "
             f"{target.max_shared_bytes // 1024} KiB per block =="
@@ -379,9 +394,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"(no fp8 operands: sm_{target.compute_capability} < sm_{FP8_MIN_CAPABILITY})")
         print(f"{'configuration':<78} {'IR':>3} {'regs':>4} {'smem KiB':>8} {'spill':>5}  notes")
         start = time.perf_counter()
-        for case in kernel_cases(target, quick=args.quick, decode_kernel=args.decode_kernel):
+        cases = kernel_cases(target, quick=args.quick, decode_kernel=args.decode_kernel)
+        failed = 0
+        for case in cases:
             result = check_case(case, target, compile)
-            failures += bool(result.problems)
+            failed += bool(result.problems)
             c = result.compiled
             regs = (
                 f"{c.registers:>4} {c.shared_bytes / 1024:>8.1f} {c.spills:>5}" if c else " " * 19
@@ -389,7 +406,12 @@ def main(argv: list[str] | None = None) -> int:
             ok = "ok" if result.module.verified else "BAD"
             print(f"{case.label:<78} {ok:>3} {regs}  {'; '.join(result.problems)[:200]}")
         print(f"({time.perf_counter() - start:.0f} s)")
-    print(f"\n{failures} configuration(s) failed")
+        summary.append(
+            f"{target.name} sm_{target.compute_capability}: {len(cases)} configurations, "
+            f"{failed} failed"
+        )
+        failures += failed
+    print("", *summary, f"{failures} configuration(s) failed", sep="\n")
     return 1 if failures else 0
 
 
