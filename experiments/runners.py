@@ -29,10 +29,17 @@ def _validate_gb10(run: RunConfig, out_dir: str | Path, **kw: Any) -> list[dict]
     return validate_gb10(run, out_dir)
 
 
+def _engine_comparison(run: RunConfig, out_dir: str | Path, **kw: Any) -> list[dict]:
+    from experiments.engine_comparison import engine_comparison
+
+    return engine_comparison(run, out_dir, **kw)
+
+
 RUNNERS: dict[str, Callable[..., list[dict]]] = {
     "sweep": _sweep,
     "validate_host": _validate_host,
     "validate_gb10": _validate_gb10,
+    "engine_comparison": _engine_comparison,
 }
 
 

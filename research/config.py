@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Architecture = Literal["llama", "qwen3", "qwen3_moe", "gpt_oss"]
@@ -470,8 +470,17 @@ class ExperimentConfig:
     # Runs of every point (new prompts each: seed from the repeat), averaged with a 95%
     # bootstrap interval by experiments.compare / research.bench.stats.
     repeats: int = 1
+    # runner engine_comparison (experiments/engine_comparison.py): the engine profiles, the
+    # topologies (one | tp2 | replicas2) and each model's weight format ("none": unquantized)
+    engines: tuple[str, ...] = ENGINE_NAMES
+    topologies: tuple[str, ...] = ("one",)
+    model_formats: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if unknown := [e for e in self.engines if e not in ENGINE_NAMES]:
+            raise ValueError(f"unknown engines {unknown}; expected some of {list(ENGINE_NAMES)}")
+        if unknown := [t for t in self.topologies if t not in ("one", "tp2", "replicas2")]:
+            raise ValueError(f"unknown topologies {unknown}; expected one, tp2 or replicas2")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if not self.concurrencies or min(self.concurrencies) < 1:

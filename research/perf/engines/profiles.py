@@ -36,8 +36,15 @@ LLAMA_CPP_COMBINE = {
     "expert_gemm": "max",
 }
 # What the llama.cpp family stores for a requested format: ggml-org's GGUF files (Q8_0; gpt-oss
-# as MXFP4 experts and Q8_0 elsewhere), f16 for an unquantized model.
-GGUF_WEIGHTS = {None: None, "q8_0": "q8_0", "gguf_mxfp4": "gguf_mxfp4", "mxfp4": "gguf_mxfp4"}
+# as MXFP4 experts and Q8_0 elsewhere), f16 for an unquantized model; where vLLM would run FP8,
+# the GGUF of that width (Q8_0: 8.5 bits per weight).
+GGUF_WEIGHTS = {
+    None: None,
+    "q8_0": "q8_0",
+    "fp8": "q8_0",
+    "gguf_mxfp4": "gguf_mxfp4",
+    "mxfp4": "gguf_mxfp4",
+}
 LLAMA_CPP_SOURCE = "ggml-org/llama.cpp@0c1e57098"
 
 
