@@ -150,6 +150,22 @@ class EngineBackend:
             sleep=self._sleep,
         )
 
+    def run_sessions(
+        self, sessions: list[Any], max_concurrency: int | None, progress: bool
+    ) -> BenchmarkResult:
+        """Multi-turn sessions (``research.bench.sessions``), at most ``max_concurrency``
+        active."""
+        from research.bench.sessions import run_sessions
+
+        return run_sessions(
+            self.engine,
+            sessions,
+            max_concurrency=max_concurrency,
+            progress=progress,
+            clock=self.engine.clock,
+            sleep=self._sleep,
+        )
+
     def _load(self) -> dict[str, Any]:
         """The workload's arrival process, as ``run_benchmark`` takes it."""
         w = self.run_config.workload

@@ -24,10 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from experiments.backends import Backend, make_backend
-from research.bench import BenchRequest, random_requests
 from research.bench.provenance import provenance, write_csv
 from research.bench.report import append_result, format_table, result_point
-from research.config import RunConfig
+from research.config import TRACE_DATASETS, RunConfig
 from research.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -54,17 +53,78 @@ def _slos(run: RunConfig) -> dict[str, float] | None:
     return slos or None
 
 
-def _requests(run: RunConfig, backend: Backend, n: int, seed: int) -> list[BenchRequest]:
+def _tokenize(backend: Backend) -> Any:
+    """The engine's tokenizer's ``encode``; a simulated model has none, so text datasets are
+    counted in SmolLM2's tokens (the bundled GGUF's tokenizer)."""
+    tokenizer = getattr(getattr(backend, "llm", None), "tokenizer", None)
+    if tokenizer is None:
+        from research.models.weights import smollm2_gguf_path
+        from research.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_gguf(smollm2_gguf_path())
+    return tokenizer.encode
+
+
+def _requests(run: RunConfig, backend: Backend, n: int, seed: int) -> list[Any]:
+    """``n`` requests of the workload's dataset (``research.bench.datasets``), or for a
+    sessions dataset ``n`` sessions (``research.bench.sessions``)."""
+    from research.bench import datasets, sessions
+
     w = run.workload
-    return random_requests(
-        n,
-        w.input_len,
-        w.output_len,
-        w.range_ratio,
-        vocab_size=backend.vocab_size,
-        seed=seed,
-        special_ids=backend.special_ids,
-    )
+    ids = dict(vocab_size=backend.vocab_size, seed=seed, special_ids=backend.special_ids)
+    scale = w.length_scale
+
+    def scaled(x: int) -> int:
+        return max(1, round(x * scale))
+
+    if w.dataset == "random":
+        return datasets.prefix_random_requests(
+            n, w.prefix_len, w.input_len, w.output_len, w.range_ratio, **ids
+        )
+    if w.dataset == "prefix_repetition":
+        return datasets.prefix_repetition_requests(
+            n, w.prefix_len, w.suffix_len, w.num_prefixes, w.output_len, **ids
+        )
+    if w.dataset == "burstgpt":
+        return datasets.burstgpt_requests(w.path, n, length_scale=scale, **ids)
+    if w.dataset == "custom":
+        return datasets.custom_requests(w.path, n, _tokenize(backend), w.output_len)
+    if w.dataset == "sharegpt":
+        return datasets.sharegpt_requests(w.path, n, _tokenize(backend))
+    if w.dataset in TRACE_DATASETS:
+        name = w.path if w.dataset == "trace" else w.dataset
+        records = datasets.load_trace(name, w.trace_format)[:n]
+        reqs = datasets.trace_requests(records, length_scale=scale, time_scale=w.time_scale, **ids)
+        if not w.replay_timestamps:
+            reqs = [datasets.BenchRequest(r.prompt_token_ids, r.output_len) for r in reqs]
+        return reqs
+    users = dict(user_rate=w.request_rate, **ids)
+    if w.dataset == "chat_sessions":
+        return sessions.chat_sessions(
+            n,
+            turns=w.turns,
+            system_len=scaled(w.system_len),
+            message_len=scaled(w.input_len),
+            output_len=scaled(w.output_len),
+            think_time_s=w.think_time_s,
+            range_ratio=w.range_ratio,
+            **users,
+        )
+    if w.dataset == "agents":
+        return sessions.agent_sessions(
+            n,
+            calls=w.turns,
+            context_len=scaled(w.context_len),
+            output_len=scaled(w.output_len),
+            tool_output_len=scaled(w.tool_output_len),
+            tool_time_s=w.tool_time_s,
+            **users,
+        )
+    conversations = datasets.load_sharegpt(w.path)  # sharegpt_sessions
+    return sessions.sharegpt_sessions(
+        conversations, n, _tokenize(backend), think_time_s=w.think_time_s,
+        user_rate=w.request_rate, seed=seed,
+    )  # fmt: skip
 
 
 def _attention_reason(backend: Backend) -> str:
@@ -88,14 +148,20 @@ def run_point(
     w, e = run.workload, run.experiment
     # The same seed gives the same prompts to every backend at a given concurrency and repeat.
     seed = point_seeds(run, concurrency, repeat)["prompts"]
+    if w.is_sessions and not hasattr(backend, "run_sessions"):
+        raise ValueError(
+            f"workload {w.dataset!r} runs multi-turn sessions on this project's engine "
+            f"(executor=real or simulated), not on {backend.label!r}"
+        )
+    run_load = backend.run_sessions if w.is_sessions else backend.run
     if e.warmup and repeat == 0:
         n_warmup = e.warmup_prompts_per_concurrency * concurrency
-        backend.run(_requests(run, backend, n_warmup, seed + 7), concurrency, False)
+        run_load(_requests(run, backend, n_warmup, seed + 7), concurrency, False)
     if (reset := getattr(backend, "reset", None)) is not None:
         reset(seed)
     requests = _requests(run, backend, e.prompts_per_concurrency * concurrency, seed)
     precompiled = 0
-    if (precompile := getattr(backend, "precompile", None)) is not None:
+    if not w.is_sessions and (precompile := getattr(backend, "precompile", None)) is not None:
         precompiled = precompile(requests, concurrency)
     executor = _band_executor(run, backend)
     if executor is not None:
@@ -105,7 +171,7 @@ def run_point(
     recording = getattr(backend, "recording_steps", None)
     before, traces = backend.stats(), STEP_TRACES[0]
     with recording() if recording is not None else contextlib.nullcontext([]) as step_log:
-        result = backend.run(requests, concurrency, progress)
+        result = run_load(requests, concurrency, progress)
     after, traces = backend.stats(), STEP_TRACES[0] - traces
     if not any(r.success for r in result.records):
         raise ValueError(
@@ -124,6 +190,7 @@ def run_point(
         "attention_backend": getattr(backend, "attention_backend", run.executor.attention_backend),
         "attention_backend_reason": _attention_reason(backend),
         "gemm_backend": getattr(backend, "gemm_backend", run.executor.gemm_backend),
+        "dataset": w.dataset,
         "input_len": w.input_len,
         "output_len": w.output_len,
         "range_ratio": w.range_ratio,
@@ -161,6 +228,15 @@ def run_point(
         }
     if "num_preemptions" in after:
         extra["num_preemptions"] = int(_delta(after, before, "num_preemptions"))
+    if "prefix_cache_queries" in after:  # prompt tokens found cached vs computed
+        queried = _delta(after, before, "prefix_cache_queries")
+        cached = _delta(after, before, "prefix_cache_hits")
+        extra |= {
+            "prefix_cache_hit_rate": cached / queried if queried else 0.0,
+            "cached_prompt_tokens": int(cached),
+            "computed_prompt_tokens": int(queried - cached),
+            "kv_evictions": int(_delta(after, before, "kv_evictions")),
+        }
     if steps and step_time and run.executor.kind == "real":  # (a simulated router: no wall time)
         extra |= {
             "num_steps": int(steps),

@@ -419,9 +419,16 @@ class HardwareConfig:
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    """``vllm bench serve``'s random dataset and load shape: lengths uniform in
-    [L(1 - r), L(1 + r)], ``ignore_eos``; arrivals all at once (rate inf) or gamma with
-    ``burstiness`` (1 = Poisson) at ``request_rate`` per second."""
+    """What the benchmark sends (``research.bench.datasets``, ``research.bench.sessions``), with
+    ``vllm bench serve``'s dataset names: ``random`` (lengths uniform in [L(1 - r), L(1 + r)],
+    ``prefix_len`` shared tokens first), ``prefix_repetition``, ``sharegpt``, ``burstgpt`` and
+    ``custom`` (a local ``path``), the shipped traces (``azure_code``, ``azure_conv``,
+    ``mooncake_conversation``, ``mooncake_synthetic``) or ``trace`` (a user's file at ``path``
+    in ``trace_format``), and multi-turn users: ``chat_sessions``, ``agents``, ``sharegpt_sessions``.
+    Arrivals all at once (rate inf) or gamma with ``burstiness`` (1 = Poisson) at
+    ``request_rate`` per second; a trace replays its own times (x ``time_scale``) unless
+    ``replay_timestamps`` is off; sessions arrive at ``request_rate`` users per second.
+    ``length_scale`` shrinks trace and session lengths for small models."""
 
     dataset: str = "random"
     # random ids (vllm bench serve's random dataset) or natural text: picks the MoE routing
@@ -433,10 +440,27 @@ class WorkloadConfig:
     request_rate: float = math.inf
     burstiness: float = 1.0
     seed: int = 0
+    prefix_len: int = 0  # random: --random-prefix-len; prefix_repetition: its prefix length
+    suffix_len: int = 256  # prefix_repetition
+    num_prefixes: int = 10  # prefix_repetition
+    path: str | None = None  # sharegpt, burstgpt, custom, trace
+    trace_format: str | None = None  # trace: azure | mooncake (default from the suffix)
+    time_scale: float = 1.0  # traces: arrival times are multiplied by it
+    length_scale: float = 1.0  # traces and sessions: every length is multiplied by it
+    replay_timestamps: bool = True
+    # sessions: turns per chat user (calls per agent), think time between turns
+    turns: int = 5
+    think_time_s: float = 10.0
+    system_len: int = 256  # chat_sessions
+    context_len: int = 20000  # agents: the first call's context
+    tool_output_len: int = 600  # agents: tokens a tool adds before the next call
+    tool_time_s: float = 25.0  # agents
 
     def __post_init__(self) -> None:
-        if self.dataset != "random":
-            raise ValueError(f"dataset must be 'random', got {self.dataset!r}")
+        if self.dataset not in DATASETS:
+            raise ValueError(f"dataset must be one of {DATASETS}, got {self.dataset!r}")
+        if self.dataset in PATH_DATASETS and not self.path:
+            raise ValueError(f"dataset {self.dataset!r} reads a local file: set workload.path")
         if self.token_source not in ("random", "text"):
             raise ValueError(f"token_source must be 'random' or 'text', got {self.token_source!r}")
         if self.input_len < 1 or self.output_len < 1:
@@ -445,6 +469,38 @@ class WorkloadConfig:
             raise ValueError(f"range_ratio must be in [0, 1), got {self.range_ratio}")
         if self.request_rate <= 0 or self.burstiness <= 0:
             raise ValueError("request_rate and burstiness must be > 0")
+        if min(self.prefix_len, self.suffix_len, self.tool_output_len) < 0:
+            raise ValueError("prefix_len, suffix_len and tool_output_len must be >= 0")
+        if self.num_prefixes < 1 or self.turns < 1 or self.context_len < 1:
+            raise ValueError("num_prefixes, turns and context_len must be >= 1")
+        if self.time_scale < 0 or self.length_scale <= 0:
+            raise ValueError("time_scale must be >= 0 and length_scale > 0")
+        if self.think_time_s < 0 or self.tool_time_s < 0:
+            raise ValueError("think_time_s and tool_time_s must be >= 0")
+
+    @property
+    def is_sessions(self) -> bool:
+        return self.dataset in SESSION_DATASETS
+
+
+TRACE_DATASETS = (
+    "azure_code",
+    "azure_conv",
+    "mooncake_conversation",
+    "mooncake_synthetic",
+    "trace",
+)
+SESSION_DATASETS = ("chat_sessions", "agents", "sharegpt_sessions")
+PATH_DATASETS = ("sharegpt", "burstgpt", "custom", "trace", "sharegpt_sessions")
+DATASETS = (
+    "random",
+    "prefix_repetition",
+    "sharegpt",
+    "burstgpt",
+    "custom",
+    *TRACE_DATASETS,
+    *SESSION_DATASETS,
+)
 
 
 @dataclass(frozen=True)

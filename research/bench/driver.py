@@ -9,6 +9,8 @@ Three load shapes, as in vLLM:
 - both: a request is added when it has arrived *and* a slot is free. Its send time (from which
   TTFT counts) is when it is added, not when it arrived, as in vLLM.
 
+Requests that carry their own ``arrival_time`` (a replayed trace) arrive then instead.
+
 Every request is greedy with ``ignore_eos`` so it generates exactly its ``output_len`` tokens.
 The driver stamps the send time with ``clock()`` and hands it to the engine as the arrival time;
 token and finish times are the engine's own stamps (``RequestMetrics``), so ``clock`` must be the
@@ -18,6 +20,7 @@ simulated one).
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import deque
@@ -121,6 +124,12 @@ def run_benchmark(
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1 or None, got {max_concurrency}")
     offsets = arrival_times(len(requests), request_rate, burstiness, seed)
+    if any(r.arrival_time is not None for r in requests):  # a trace's own arrival times
+        if any(r.arrival_time is None for r in requests):
+            raise ValueError("either every request carries its arrival time or none does")
+        offsets = [r.arrival_time for r in requests]
+        if any(b < a for a, b in itertools.pairwise(offsets)):
+            raise ValueError("trace arrival times must not decrease")
     records: list[RequestRecord | None] = [None] * len(requests)
     pending = deque(range(len(requests)))
     in_flight: dict[str, int] = {}  # engine request id -> index into requests

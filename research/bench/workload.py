@@ -27,6 +27,9 @@ class BenchRequest:
 
     prompt_token_ids: list[int]
     output_len: int
+    # seconds from the start of the run at which a trace sends it (None: the run's arrival
+    # process, ``arrival_times``)
+    arrival_time: float | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -76,6 +76,7 @@ class BlockManager:
         # Prefix-cache counters, in tokens.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.num_evictions = 0  # cached blocks taken back for new allocations
 
     # ------------------------------------------------------------------ counters
 
@@ -163,6 +164,7 @@ class BlockManager:
                 self.freed_blocks.remove(block_id)  # reused before poisoning: keep its new K/V
         else:  # evict the least recently freed cached block
             block_id, _ = self._evictable.popitem(last=False)
+            self.num_evictions += 1
             block = self.blocks[block_id]
             del self._cached[block.block_hash]
             block.block_hash = None

@@ -431,6 +431,9 @@ class Engine:
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_free": bm.num_free_blocks,
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
+            "prefix_cache_queries": bm.prefix_queries,  # prompt tokens looked up
+            "prefix_cache_hits": bm.prefix_hits,  # of them, tokens found cached
+            "kv_evictions": bm.num_evictions,
             "step_time_s": self.step_time,
             "device_time_s": self.device_time,
             "host_time_s": self.step_time - self.device_time,
