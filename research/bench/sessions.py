@@ -195,7 +195,11 @@ def run_sessions(
 
     while waiting or ready or in_flight:
         now = clock() - start
-        while waiting and waiting[0][0] <= now and (max_concurrency is None or active < max_concurrency):
+        while (
+            waiting
+            and waiting[0][0] <= now
+            and (max_concurrency is None or active < max_concurrency)
+        ):
             _, i = heapq.heappop(waiting)
             active += 1
             turn = sessions[i].turns[0]
