@@ -197,6 +197,7 @@ def run_point(
         "experiment": e.name,
         "tensor_parallel_size": run.hardware.tensor_parallel_size,
         "num_replicas": run.hardware.num_replicas,
+        "replica_routing": run.hardware.routing if run.hardware.num_replicas > 1 else None,
         "repeat": repeat,
     }
     # The engine profile, its batch policy and pool; simulated: the routing law and shape of the
