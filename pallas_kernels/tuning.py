@@ -12,7 +12,8 @@ in every dimension) and whose shared memory fits the target's per-block limit. T
 without a GPU by compiling each configuration offline for its target (``pallas_kernels.verify``
 and tests/test_triton_ir.py): H200 is sm_90 with up to 227 KiB of shared memory per block, GB10
 is sm_121 with 99 KiB (100 KB per SM). An unknown GPU gets the conservative ``FALLBACK``, sized
-to the 48 KiB every CUDA GPU gives a block without opting in.
+to the 48 KiB every CUDA GPU gives a block without opting in; it has no table entries, and its
+rules are compiled for each GPU it stands for (``FALLBACK_CAPABILITIES``: sm_80, sm_86, sm_89).
 
 The numbers are chosen to fit, not yet tuned for speed on the hardware: fewer pipeline stages
 where shared memory is small (GB10), and the larger tiles where it is not. float32 operands run
@@ -159,6 +160,16 @@ RAGGED_RULES = {
 }
 SPLIT_MAX_ROWS = 16
 RAGGED_SPLITS = 4
+# The fallback's rules (it has no table entries): bf16 with 8 warps. With 4 warps, ptxas spills
+# 8-12 B at 96-128 registers per thread on Ampere and Ada: at gpt-oss's shape (head dim 64,
+# group 8, window and sinks) on sm_80, at head dim 128 and SmolLM2's group 3 on sm_86 and
+# sm_89, and with fp8 pages on sm_89. With 8 warps each thread holds half as much of the tile:
+# 64-128 registers and no spill for every key on sm_80, sm_86 and sm_89
+# (``pallas_kernels.verify``).
+FALLBACK_RAGGED_RULES = {
+    "bfloat16": RaggedAttentionConfig(num_warps=8),
+    "float32": RAGGED_RULES["float32"],
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +182,10 @@ class GpuTarget:
     max_shared_bytes: int  # dynamic shared memory a block may use
     paged_attention: PagedAttentionConfig
     grouped_experts: GroupedExpertsConfig
+    # the ragged attention kernel's blocks by compute dtype where the table has no entry
+    ragged_attention_rules: dict[str, RaggedAttentionConfig] = dataclasses.field(
+        default_factory=lambda: RAGGED_RULES, hash=False
+    )
 
     @property
     def supports_fp8(self) -> bool:
@@ -210,7 +225,7 @@ TARGETS: dict[str, GpuTarget] = {
 }
 
 # Unknown GPUs: small tiles and two stages, within the 48 KiB every CUDA GPU allows a block.
-# Compiled offline for sm_80, the oldest target with bf16 MMAs.
+# Compiled offline for sm_80 (the oldest target with bf16 MMAs), sm_86 and sm_89.
 FALLBACK = GpuTarget(
     name="fallback",
     device_kinds=(),
@@ -220,6 +235,7 @@ FALLBACK = GpuTarget(
         compute_block_tokens=64, num_stages=2, max_tile_bytes=32 * 1024
     ),
     grouped_experts=GroupedExpertsConfig(block_n=64, block_k=64, num_stages=2),
+    ragged_attention_rules=FALLBACK_RAGGED_RULES,
 )
 
 # The GPUs the fallback stands for, each compiled for by ``pallas_kernels.verify``: Ampere
@@ -281,7 +297,8 @@ def ragged_attention_config(
     if entry is not None:
         config, source = RaggedAttentionConfig(**entry["config"]), f"table: {entry['source']}"
     else:
-        config, source = RAGGED_RULES[dtype], f"rule: no table entry for {key}"
+        config = target.ragged_attention_rules[dtype]
+        source = f"rule: no table entry for {key}"
         if decode:
             config = dataclasses.replace(config, kv_splits=RAGGED_SPLITS)
     # Splitting pays where few rows leave the GPU idle; with many rows, one split.

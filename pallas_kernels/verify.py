@@ -7,6 +7,10 @@ every dot accumulates in float32, then compiles it with the triton package to PT
 the target's architecture and prints registers, spills and shared memory against the target's
 per-block limit. It exits non-zero if any configuration fails.
 
+The default run covers every target: h200 (sm_90), gb10 (sm_121) and the fallback at each
+architecture it stands for, sm_80, sm_86 and sm_89 (Ampere and Ada; fp8 on sm_89 only). The
+compiles pin floating-point fusion on (``triton_ir.FP_FUSION``), whatever the environment says.
+
 The configurations are the engine's: the attention shapes of the presets (SmolLM2-135M,
 Qwen3-30B-A3B, Llama-3.3-70B, gpt-oss-120b) at block sizes 8 to 128, float32 / bfloat16 queries
 with float, fp8 and int4 KV pages, and gpt-oss's sliding-window layers (window 128, sinks); the

@@ -320,7 +320,8 @@ def test_prefix_hit_rate_counters():
     assert bm.prefix_cache_hit_rate == pytest.approx(0.4)
     off = BlockManager(16, 4, enable_prefix_caching=False)
     off.record_prefix_lookup(10, 2)
-    assert off.prefix_queries == 0 and off.prefix_cache_hit_rate == 0.0
+    # With caching off the prompt tokens are still counted (all of them computed), none hit.
+    assert off.prefix_queries == 10 and off.prefix_hits == 0 and off.prefix_cache_hit_rate == 0.0
 
 
 def test_fork_shares_blocks_and_copy_on_write():

@@ -136,9 +136,10 @@ class BlockManager:
         return hits
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_blocks: int) -> None:
-        """Count one admitted sequence's prefix-cache lookup (hit rate is in tokens)."""
+        """Count one admitted sequence's prompt tokens and, of them, those found cached (hit
+        rate is in tokens; with caching off every token is computed)."""
+        self.prefix_queries += num_tokens
         if self.enable_prefix_caching:
-            self.prefix_queries += num_tokens
             self.prefix_hits += num_hit_blocks * self.block_size
 
     def cache_full_blocks(self, seq: Sequence) -> None:
