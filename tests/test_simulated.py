@@ -111,6 +111,12 @@ def test_two_replicas_behind_a_random_router():
     r = run_benchmark(router, reqs, max_concurrency=c, clock=router.clock, sleep=router.sleep)
     assert all(rec.success and rec.output_len == 64 for rec in r.records)
     assert all(e.stats()["num_steps"] > 0 for e in engines)  # both boxes served
+    # The router's stats sum its boxes' prompt-token and prefix-cache counters (a results row's
+    # hit rate over replicas comes from them).
+    merged = router.stats()
+    for key in ("prefix_cache_queries", "prefix_cache_hits", "kv_evictions"):
+        assert merged[key] == sum(e.stats()[key] for e in engines)
+    assert merged["prefix_cache_queries"] == 3 * c * 256
     for rec in r.records:  # causal, and the closed loop never exceeds its concurrency
         assert rec.send_time <= rec.first_token_time <= rec.finish_time
         in_flight = sum(o.send_time <= rec.send_time < o.finish_time for o in r.records)

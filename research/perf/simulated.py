@@ -225,5 +225,12 @@ class ReplicaRouter:
 
     def stats(self) -> dict[str, Any]:
         per = [e.stats() for e in self.engines]
-        merged = {k: sum(s[k] for s in per) for k in ("num_steps", "num_preemptions")}
+        summed = (
+            "num_steps",
+            "num_preemptions",
+            "prefix_cache_queries",
+            "prefix_cache_hits",
+            "kv_evictions",
+        )
+        merged = {k: sum(s[k] for s in per) for k in summed}
         return merged | {"replicas": len(self.engines), "per_replica": per}
