@@ -352,3 +352,44 @@ def test_real_engine_and_simulator_hit_the_same_prefix_blocks():
 
 # Cached prompt tokens of that run (48.7% of 8,185): both executors, same block manager.
 EXPECTED_HITS = 3984
+
+
+def test_sharegpt_first_turns_and_sessions(tmp_path):
+    from research.bench.datasets import load_sharegpt, sharegpt_requests
+    from research.bench.sessions import sharegpt_sessions
+
+    data = [
+        {"conversations": [{"from": "human", "value": "a b c d e"}, {"from": "gpt", "value": "f g h i"},
+                           {"from": "human", "value": "j k"}, {"from": "gpt", "value": "l m n"}]},
+        {"conversations": [{"from": "human", "value": "too short"}]},  # one turn: dropped
+        {"conversations": [{"from": "human", "value": "x y"}, {"from": "gpt", "value": "z z z z"}]},
+    ]  # fmt: skip
+    path = _write(tmp_path, "sg.json", json.dumps(data))
+
+    def tokenize(text):
+        return [ord(w[0]) for w in text.split()]
+
+    assert len(load_sharegpt(path)) == 2
+    # vLLM's sampling: first turn and the reply's length; pairs under 4 tokens skipped.
+    (r,) = sharegpt_requests(path, 10, tokenize)
+    assert (r.prompt_len, r.output_len) == (5, 4)
+    sessions = sharegpt_sessions(load_sharegpt(path), 10, tokenize, think_time_s=3.0)
+    assert [len(s.turns) for s in sessions] == [2, 1]
+    assert [t.output_len for t in sessions[0].turns] == [4, 3] and sessions[0].turns[1].gap_s == 3.0
+
+
+def test_the_real_engine_runs_chat_sessions_from_hydra(tmp_path):
+    """workload=chat_sessions on tiny-llama on this CPU, lengths scaled to its context: every
+    turn after the first finds its history cached."""
+    from experiments.sweep import run_experiment
+    from tests.test_experiments import _compose
+
+    run = _compose([
+        "model=tiny_llama", "workload=chat_sessions", "workload.length_scale=0.125",
+        "workload.turns=3", "workload.think_time_s=0.0", "experiment.concurrencies=[2]",
+        "experiment.prompts_per_concurrency=1", "experiment.warmup=false", "tracking=disabled",
+        "tracking.plots=false",
+    ])  # fmt: skip
+    (point,) = run_experiment(run, tmp_path, progress=False)
+    assert point["completed"] == 2 * 3 and point["dataset"] == "chat_sessions"
+    assert point["prefix_cache_hit_rate"] > 0.5 and point["cached_prompt_tokens"] > 0
