@@ -35,11 +35,18 @@ def _engine_comparison(run: RunConfig, out_dir: str | Path, **kw: Any) -> list[d
     return engine_comparison(run, out_dir, **kw)
 
 
+def _capacity(run: RunConfig, out_dir: str | Path, **kw: Any) -> list[dict]:
+    from experiments.capacity import capacity
+
+    return capacity(run, out_dir, **kw)
+
+
 RUNNERS: dict[str, Callable[..., list[dict]]] = {
     "sweep": _sweep,
     "validate_host": _validate_host,
     "validate_gb10": _validate_gb10,
     "engine_comparison": _engine_comparison,
+    "capacity": _capacity,
 }
 
 

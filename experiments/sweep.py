@@ -107,6 +107,7 @@ def _requests(run: RunConfig, backend: Backend, n: int, seed: int) -> list[Any]:
             message_len=scaled(w.input_len),
             output_len=scaled(w.output_len),
             think_time_s=w.think_time_s,
+            think_time_dist=w.think_time_dist,
             range_ratio=w.range_ratio,
             **users,
         )

@@ -451,6 +451,7 @@ class WorkloadConfig:
     # sessions: turns per chat user (calls per agent), think time between turns
     turns: int = 5
     think_time_s: float = 10.0
+    think_time_dist: str = "fixed"  # chat_sessions: fixed | exponential (mean think_time_s)
     system_len: int = 256  # chat_sessions
     context_len: int = 20000  # agents: the first call's context
     tool_output_len: int = 600  # agents: tokens a tool adds before the next call
@@ -477,6 +478,10 @@ class WorkloadConfig:
             raise ValueError("time_scale must be >= 0 and length_scale > 0")
         if self.think_time_s < 0 or self.tool_time_s < 0:
             raise ValueError("think_time_s and tool_time_s must be >= 0")
+        if self.think_time_dist not in ("fixed", "exponential"):
+            raise ValueError(
+                f"think_time_dist must be 'fixed' or 'exponential', got {self.think_time_dist!r}"
+            )
 
     @property
     def is_sessions(self) -> bool:
@@ -501,6 +506,34 @@ DATASETS = (
     *TRACE_DATASETS,
     *SESSION_DATASETS,
 )
+
+
+@dataclass(frozen=True)
+class CapacityConfig:
+    """``experiment=capacity`` (experiments/capacity.py): the largest population whose service
+    level holds. The SLO: p99 TTFT at most ``slo_p99_ttft_ms`` and the median request's
+    per-user speed (1000 / its mean TPOT) at least ``slo_min_tok_s``; None drops a bound.
+    ``min_measured_requests`` sets the run length (turns per user grow until that many
+    requests fall in the measured window, after ``warmup_turns`` per user); the run doubles
+    (up to ``max_doublings`` times) while its two halves disagree on the verdict."""
+
+    slo_p99_ttft_ms: float | None = 3000.0
+    slo_min_tok_s: float | None = 15.0
+    max_population: int = 1024
+    min_measured_requests: int = 300
+    warmup_turns: int = 1
+    max_doublings: int = 2
+    start_spread_s: float | None = None  # users start uniformly over it (None: one period)
+    # the write-up's arithmetic printed beside: closed-loop curve at these concurrencies
+    arithmetic_concurrencies: tuple[int, ...] = (1, 4, 8, 16, 32, 64, 128)
+
+    def __post_init__(self) -> None:
+        if self.slo_p99_ttft_ms is None and self.slo_min_tok_s is None:
+            raise ValueError("a capacity SLO needs slo_p99_ttft_ms, slo_min_tok_s or both")
+        if self.max_population < 1 or self.min_measured_requests < 1 or self.warmup_turns < 0:
+            raise ValueError(
+                "max_population and min_measured_requests must be >= 1, warmup_turns >= 0"
+            )
 
 
 @dataclass(frozen=True)
@@ -531,6 +564,7 @@ class ExperimentConfig:
     engines: tuple[str, ...] = ENGINE_NAMES
     topologies: tuple[str, ...] = ("one",)
     model_formats: dict[str, str] = field(default_factory=dict)
+    capacity: CapacityConfig = field(default_factory=CapacityConfig)
 
     def __post_init__(self) -> None:
         if unknown := [e for e in self.engines if e not in ENGINE_NAMES]:
@@ -635,6 +669,10 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="run_schema", node=writable(OmegaConf.structured(RunConfig)))
 
 
+# Dataclasses nested in a group's dataclass, by the annotation their field carries.
+NESTED_CONFIGS = {"CapacityConfig": CapacityConfig}
+
+
 def run_config_from(cfg: Any) -> RunConfig:
     """A composed Hydra config (DictConfig) -> the frozen RunConfig, validated."""
     from omegaconf import OmegaConf
@@ -653,8 +691,14 @@ def run_config_from(cfg: Any) -> RunConfig:
         known = {f.name for f in dataclasses.fields(schema)}
         if unknown := sorted(set(values) - known):
             raise ValueError(f"{group}: unknown keys {unknown}; expected some of {sorted(known)}")
-        for key, value in values.items():  # YAML lists -> tuples
+        nested = {f.name: f.type for f in dataclasses.fields(schema)}
+        for key, value in values.items():  # YAML lists -> tuples, nested groups -> dataclasses
             if isinstance(value, list):
                 values[key] = tuple(value)
+            elif isinstance(value, dict) and nested[key] in NESTED_CONFIGS:
+                cls = NESTED_CONFIGS[nested[key]]
+                values[key] = cls(
+                    **{k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
+                )
         groups[group] = schema(**values)
     return RunConfig(**groups, output_dir=container.get("output_dir"))

@@ -42,6 +42,7 @@ class Turn:
     new_token_ids: list[int]  # appended to the history
     output_len: int
     gap_s: float = 0.0  # think or tool time before this turn is sent (after the previous ends)
+    new_conversation: bool = False  # the history restarts with this turn (a new chat or task)
 
 
 @dataclass(frozen=True)
@@ -78,11 +79,21 @@ def chat_sessions(
     vocab_size: int = 32000,
     seed: int = 0,
     special_ids: Iterable[int] = (),
+    think_time_dist: str = "fixed",
+    start_spread_s: float = 0.0,
+    conversation_turns: int | None = None,
 ) -> list[Session]:
     """``num_sessions`` chat users: a system prompt, then ``turns`` messages (lengths uniform
     around ``message_len`` / ``output_len`` with ``range_ratio``, as the random dataset), a
-    think time between an answer and the next message; users arrive at ``user_rate`` per
-    second (Poisson; inf: all at once)."""
+    think time between an answer and the next message (``think_time_dist``: "fixed", or
+    "exponential" with mean ``think_time_s``); users arrive at ``user_rate`` per second
+    (Poisson; inf: all at once), each also offset by a uniform draw in [0, ``start_spread_s``]
+    (so a population starts out of step). With ``conversation_turns`` a user starts a new
+    conversation (the system prompt, no history) every that many turns."""
+    if think_time_dist not in ("fixed", "exponential"):
+        raise ValueError(
+            f"think_time_dist must be 'fixed' or 'exponential', got {think_time_dist!r}"
+        )
     if num_sessions < 1 or turns < 1 or think_time_s < 0:
         raise ValueError("num_sessions and turns must be >= 1 and think_time_s >= 0")
     allowed = _allowed(vocab_size, special_ids)
@@ -95,8 +106,13 @@ def chat_sessions(
         for k in range(turns):
             new = _draw(rng, allowed, int(rng.integers(msg[0], msg[1], endpoint=True)))
             n_out = int(rng.integers(out[0], out[1], endpoint=True))
-            ts.append(Turn(system + new if k == 0 else new, n_out, 0.0 if k == 0 else think_time_s))
-        sessions.append(Session(ts, float(start)))
+            think = think_time_s
+            if think_time_dist == "exponential":
+                think = float(rng.exponential(think_time_s)) if think_time_s > 0 else 0.0
+            fresh = k == 0 or bool(conversation_turns and k % conversation_turns == 0)
+            ts.append(Turn(system + new if fresh else new, n_out, 0.0 if k == 0 else think, fresh))
+        offset = float(rng.uniform(0.0, start_spread_s)) if start_spread_s > 0 else 0.0
+        sessions.append(Session(ts, float(start) + offset))
     return sessions
 
 
@@ -112,10 +128,14 @@ def agent_sessions(
     vocab_size: int = 32000,
     seed: int = 0,
     special_ids: Iterable[int] = (),
+    start_spread_s: float = 0.0,
+    conversation_turns: int | None = None,
 ) -> list[Session]:
     """``num_agents`` coding agents: the first call sends ``context_len`` tokens; every later
     call resends it with each answer and ``tool_output_len`` tokens of tool output added, after
-    ``tool_time_s`` of tool time."""
+    ``tool_time_s`` of tool time; starts offset by a uniform draw in [0, ``start_spread_s``].
+    With ``conversation_turns`` an agent starts a new task (a fresh context) every that many
+    calls."""
     if num_agents < 1 or calls < 1 or tool_time_s < 0 or context_len < 1:
         raise ValueError("num_agents, calls and context_len must be >= 1 and tool_time_s >= 0")
     allowed = _allowed(vocab_size, special_ids)
@@ -123,11 +143,13 @@ def agent_sessions(
     sessions = []
     for start in _starts(num_agents, user_rate, seed):
         ts = [Turn(_draw(rng, allowed, context_len), output_len)]
-        ts += [
-            Turn(_draw(rng, allowed, tool_output_len), output_len, tool_time_s)
-            for _ in range(calls - 1)
-        ]
-        sessions.append(Session(ts, float(start)))
+        for k in range(1, calls):
+            if conversation_turns and k % conversation_turns == 0:
+                ts.append(Turn(_draw(rng, allowed, context_len), output_len, tool_time_s, True))
+            else:
+                ts.append(Turn(_draw(rng, allowed, tool_output_len), output_len, tool_time_s))
+        offset = float(rng.uniform(0.0, start_spread_s)) if start_spread_s > 0 else 0.0
+        sessions.append(Session(ts, float(start) + offset))
     return sessions
 
 
@@ -234,7 +256,9 @@ def run_sessions(
             turns = sessions[i].turns
             if k + 1 < len(turns) and out.finish_reason in ("length", "stop"):
                 nxt = turns[k + 1]
-                prompt = request.prompt_token_ids + list(out.token_ids) + list(nxt.new_token_ids)
+                prompt = list(nxt.new_token_ids)
+                if not nxt.new_conversation:
+                    prompt = request.prompt_token_ids + list(out.token_ids) + prompt
                 done = out.metrics.finished_time - start
                 heapq.heappush(ready, _Ready(done + nxt.gap_s, i, k + 1, prompt))
             else:

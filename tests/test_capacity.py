@@ -1,0 +1,111 @@
+"""experiment=capacity: the largest population whose SLO holds, by simulated runs
+(experiments/capacity.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments.capacity import capacity, evaluate, search
+from tests.test_experiments import _compose
+
+# Small and quick: a tenth of the default lengths, short think times, few measured requests.
+SMALL = [
+    "experiment=capacity",
+    "experiment.repeats=2",
+    "workload.length_scale=0.1",
+    "workload.think_time_s=4.0",
+    "experiment.capacity.min_measured_requests=40",
+    "experiment.capacity.max_population=64",
+    "experiment.capacity.arithmetic_concurrencies=[1,8,32]",
+    "tracking=disabled",
+]
+
+
+def test_capacity_writes_the_count_its_interval_and_the_arithmetic(tmp_path):
+    run = _compose(SMALL)
+    rows = capacity(run, tmp_path)
+    out = json.loads((tmp_path / "capacity.json").read_text())
+    assert out["unit"] == "users" and len(out["capacity_per_repeat"]) == 2
+    assert out["capacity"] == pytest.approx(sum(out["capacity_per_repeat"]) / 2)
+    assert out["slo"] == {"p99_ttft_ms": 3000.0, "min_median_tok_s": 15.0}
+    assert out["arithmetic"]["users"] is not None and out["arithmetic"]["duty_cycle"] > 0
+    assert len(rows) == len(out["evaluations"]) and (tmp_path / "capacity.png").exists()
+    for seed, best in zip(
+        sorted({e["seed"] for e in out["evaluations"]}), out["capacity_per_repeat"], strict=True
+    ):
+        evals = [e for e in out["evaluations"] if e["seed"] == seed]
+        # The answer holds; one more user fails (unless the search hit max_population).
+        assert any(e["population"] == best and e["passed"] for e in evals) or best == 0
+        if not out["lower_bound"]:
+            assert any(e["population"] == best + 1 and not e["passed"] for e in evals)
+            assert out["binding_constraint"]
+
+
+def test_an_slo_nobody_meets_reports_zero_and_names_the_binding_constraint(tmp_path):
+    run = _compose([*SMALL, "experiment.repeats=1", "experiment.capacity.slo_p99_ttft_ms=1.0"])
+    capacity(run, tmp_path)
+    out = json.loads((tmp_path / "capacity.json").read_text())
+    assert out["capacity"] == 0 and out["binding_constraint"] == ["p99_ttft"]
+
+
+def test_search_bisects_to_the_crossing():
+    """A fake backend whose SLO holds up to 37 users: the doubling then bisection finds 37 in
+    O(log N) evaluations."""
+    from experiments import capacity as cap_mod
+
+    run = _compose(SMALL)
+    calls = []
+
+    def fake_evaluate(run, backend, n, seed):
+        calls.append(n)
+        ok = n <= 37
+        return cap_mod.Evaluation(
+            n, seed, ok, () if ok else ("median_tok_s",), 1.0, 20.0 if ok else 5.0, 50, 0, True, 3
+        )
+
+    orig = cap_mod.evaluate
+    cap_mod.evaluate = fake_evaluate
+    try:
+        best, _, lower = search(run, None, 0)
+    finally:
+        cap_mod.evaluate = orig
+    assert (best, lower) == (37, False) and len(calls) <= 2 * 7
+    assert calls[:7] == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_capacity_needs_a_population_and_the_simulator():
+    with pytest.raises(ValueError, match="needs a population: workload=chat_sessions"):
+        capacity(_compose([*SMALL, "workload=spark"]), "/tmp/unused")
+    with pytest.raises(ValueError, match="a capacity SLO needs"):
+        _compose(
+            [
+                *SMALL,
+                "experiment.capacity.slo_p99_ttft_ms=null",
+                "experiment.capacity.slo_min_tok_s=null",
+            ]
+        )
+
+
+def test_evaluate_measures_enough_requests_and_lengthens_when_the_halves_disagree(monkeypatch):
+    from experiments import capacity as cap_mod
+    from experiments.backends import make_backend
+
+    run = _compose([*SMALL, "experiment.capacity.max_doublings=1"])
+    backend = make_backend(run)
+    e = evaluate(run, backend, 2, 0)
+    assert e.passed and e.converged and e.measured >= 40
+    # A verdict that flips between the halves: the run is doubled once, then reported as not
+    # converged.
+    real = cap_mod._verdict
+    state = {"calls": 0}
+
+    def flipping(run, records):
+        state["calls"] += 1
+        verdict = real(run, records)
+        return (state["calls"] % 3 != 0, *verdict[1:])  # whole, first half pass; second fails
+
+    monkeypatch.setattr(cap_mod, "_verdict", flipping)
+    flipped = evaluate(run, backend, 2, 0)
+    assert not flipped.converged and flipped.turns == 2 * (1 + 1 + 40 // 2)  # twice the first run
