@@ -13,8 +13,9 @@ requests fall after the warm-up (each user's first ``warmup_turns`` turns and th
 or a trace's first tenth; a run that measured fewer is lengthened); the SLO holds when p99 TTFT <= ``slo_p99_ttft_ms`` and the median request's speed
 (1000 / its mean TPOT) >= ``slo_min_tok_s``. Convergence: the measured requests are split in
 two halves by send time, and while the halves disagree on the verdict the run is doubled (up to
-``max_doublings``); the row says whether it converged. The search doubles N from 1 until the
-SLO fails, then bisects to the largest N that holds (``search``): the metrics worsen with load,
+``max_doublings``); the row says whether it converged. The search doubles N from
+``start_population`` (8: a handful of users is never the question, and small populations are
+the slowest to simulate, one stream at a time) until the SLO fails, then bisects to the largest N that holds (``search``): the metrics worsen with load,
 so one crossing is assumed. Each of ``experiment.repeats`` searches draws its own traffic
 (seed); the answer is their mean with a 95% bootstrap interval.
 
@@ -178,7 +179,7 @@ def search(run: RunConfig, backend: Any, seed: int) -> tuple[int, list[Evaluatio
         )
         return e.passed
 
-    lo, hi, n = 0, None, 1
+    lo, hi, n = 0, None, min(cap.start_population, cap.max_population)
     while n <= cap.max_population:
         if ok(n):
             lo, n = n, n * 2

@@ -520,7 +520,8 @@ class CapacityConfig:
     slo_p99_ttft_ms: float | None = 3000.0
     slo_min_tok_s: float | None = 15.0
     max_population: int = 1024
-    min_measured_requests: int = 300
+    start_population: int = 8  # the search doubles from here (and bisects below it on a fail)
+    min_measured_requests: int = 200
     warmup_turns: int = 1
     max_doublings: int = 2
     start_spread_s: float | None = None  # users start uniformly over it (None: one period)
@@ -530,7 +531,9 @@ class CapacityConfig:
     def __post_init__(self) -> None:
         if self.slo_p99_ttft_ms is None and self.slo_min_tok_s is None:
             raise ValueError("a capacity SLO needs slo_p99_ttft_ms, slo_min_tok_s or both")
-        if self.max_population < 1 or self.min_measured_requests < 1 or self.warmup_turns < 0:
+        if min(self.max_population, self.start_population, self.min_measured_requests) < 1 or (
+            self.warmup_turns < 0
+        ):
             raise ValueError(
                 "max_population and min_measured_requests must be >= 1, warmup_turns >= 0"
             )

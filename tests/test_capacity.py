@@ -72,7 +72,7 @@ def test_search_bisects_to_the_crossing():
     finally:
         cap_mod.evaluate = orig
     assert (best, lower) == (37, False) and len(calls) <= 2 * 7
-    assert calls[:7] == [1, 2, 4, 8, 16, 32, 64]
+    assert calls[:4] == [8, 16, 32, 64]  # doubling from start_population, then bisection
 
 
 def test_capacity_needs_a_population_and_the_simulator():
