@@ -307,6 +307,60 @@ def fresh_results(out_dir: Path) -> Path:
     return results
 
 
+def point_key(run: RunConfig, concurrency: int, repeat: int) -> str:
+    """What makes a simulated point's figures: the resolved config (less where it is written
+    and how it is logged), the concurrency, the repeat and its seeds, and the code (commit, and
+    the diff of tracked files when the checkout is dirty)."""
+    import hashlib
+
+    from research.bench.provenance import code_state
+
+    config = dataclasses.asdict(run)
+    config.pop("output_dir", None)
+    config.pop("tracking", None)
+    blob = json.dumps(
+        {
+            "config": config,
+            "concurrency": concurrency,
+            "repeat": repeat,
+            "seeds": point_seeds(run, concurrency, repeat),
+            "code": code_state(),
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def completed_points(run: RunConfig, out_dir: Path) -> dict[str, dict[str, Any]]:
+    """Points of an earlier, interrupted run of this same simulated config in ``out_dir``, by
+    ``point_key``; the file is moved aside (``results.jsonl.partial``) so the run rewrites it in
+    order. A file from another config, or from a real run, is refused as ``fresh_results``
+    refuses it; a line cut short by the interruption is dropped."""
+    results = out_dir / "results.jsonl"
+    if run.executor.kind != "simulated" or not results.exists():
+        return {}
+    done = {}
+    for line in results.read_text().splitlines():
+        try:
+            point = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "point_key" in point:
+            done[point["point_key"]] = point
+    models = run.experiment.models or (run.model.model,)
+    wanted = {
+        point_key(dataclasses.replace(run, model=dataclasses.replace(run.model, model=m)), c, r)
+        for m in models
+        for c in run.experiment.concurrencies
+        for r in range(run.experiment.repeats)
+    }
+    if not done or not set(done) <= wanted:
+        return {}  # fresh_results refuses the file
+    results.rename(out_dir / "results.jsonl.partial")
+    return done
+
+
 def kv_capacity_line(run: RunConfig, backend: Backend) -> str | None:
     """vLLM's start-up line: KV blocks and tokens, and how many of the workload's requests
     (input_len + output_len tokens) fit at once. None for peers that do not say."""
@@ -334,6 +388,7 @@ def run_experiment(
     ``job_type`` place it (``experiments.run.sweep_group``). Experiments that are not a
     concurrency sweep name another runner (``experiments.runners``)."""
     out_dir = Path(out_dir)
+    done = completed_points(run, out_dir)
     results = fresh_results(out_dir)
     config = dataclasses.asdict(run)
     (out_dir / "run_config.json").write_text(json.dumps(config, indent=2, default=str))
@@ -358,6 +413,7 @@ def run_experiment(
     )
     paths: list[Any] = []
     points = []
+    skipped = 0
     repeats = run.experiment.repeats
     total = len(models) * len(run.experiment.concurrencies) * repeats
     try:
@@ -373,8 +429,15 @@ def run_experiment(
                 log.info(f"  {capacity}")
             for c, repeat in ((c, r) for c in run.experiment.concurrencies for r in range(repeats)):
                 t = time.perf_counter()
-                point = run_point(model_run, backend, c, progress, repeat)
-                point |= provenance(config, point_seeds(model_run, c, repeat))
+                key = point_key(model_run, c, repeat) if run.executor.kind == "simulated" else None
+                if key in done:  # completed by an interrupted run of this same config
+                    point = done[key]
+                    skipped += 1
+                else:
+                    point = run_point(model_run, backend, c, progress, repeat)
+                    point |= provenance(config, point_seeds(model_run, c, repeat))
+                    if key is not None:
+                        point["point_key"] = key
                 append_result(results, point)
                 tracker.log_point(point)
                 points.append(point)
@@ -392,6 +455,8 @@ def run_experiment(
                     )
             if close := getattr(backend, "close", None):  # replica processes stop here
                 close()
+        if skipped:
+            log.info(f"skipped {skipped} point(s) already complete from an interrupted run")
         table = format_table(points, TABLE_COLUMNS)
         (out_dir / "table.md").write_text(table + "\n")
         write_csv(points, out_dir / "results.csv")

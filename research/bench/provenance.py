@@ -44,6 +44,23 @@ def git_state(root: Path = ROOT) -> dict[str, Any]:
 
 
 @functools.cache
+def code_state(root: Path = ROOT) -> str:
+    """The code a result came from: the commit, plus a hash of the uncommitted diff of tracked
+    files when there is one ("unknown" outside a git checkout)."""
+    import hashlib
+
+    state = git_state(root)
+    if state["git_commit"] is None:
+        return "unknown"
+    if not state["git_dirty"]:
+        return state["git_commit"]
+    diff = subprocess.run(
+        ["git", "-C", str(root), "diff", "HEAD"], capture_output=True, timeout=30
+    ).stdout
+    return f"{state['git_commit']}+{hashlib.sha256(diff).hexdigest()[:16]}"
+
+
+@functools.cache
 def versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {"python": platform.python_version()}
     for name in PACKAGES:
