@@ -1,7 +1,7 @@
 """Hydra callbacks of the experiments app.
 
 ``CompareOnMultirunEnd`` ends a multirun (``python -m experiments.run -m ...``) with its
-comparison: every job's results.jsonl on one figure per metric, lines labelled by the factors
+comparison (for a capacity search, its Pareto front: ``experiments.capacity_search``): every job's results.jsonl on one figure per metric, lines labelled by the factors
 that differ between jobs, plus summary.csv, in ``<sweep dir>/comparison`` (``experiments.compare``
 on the sweep folder).
 """
@@ -27,6 +27,11 @@ class CompareOnMultirunEnd(Callback):
         from experiments.compare import main as compare
 
         sweep = Path(config.hydra.sweep.dir)
+        if config.get("experiment", {}).get("runner", "sweep") == "capacity":
+            from experiments.capacity_search import pareto
+
+            pareto(sweep)  # a configuration search: its Pareto front, not concurrency curves
+            return
         if len(list(sweep.rglob("results.jsonl"))) < 2:
             return  # one job (or none finished): nothing to compare
         argv = [str(sweep), "--out", str(sweep / "comparison")]

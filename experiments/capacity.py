@@ -190,7 +190,7 @@ def search(run: RunConfig, backend: Any, seed: int) -> tuple[int, list[Evaluatio
         if lo < cap.max_population and ok(cap.max_population):
             lo = cap.max_population
         return lo, evals, True
-    while hi - lo > 1:
+    while hi - lo > max(1, cap.tolerance * lo):
         mid = (lo + hi) // 2
         if ok(mid):
             lo = mid
@@ -272,6 +272,30 @@ def _unit(run: RunConfig) -> str:
     )
 
 
+def with_boxes(run: RunConfig) -> RunConfig:
+    """``experiment.capacity.boxes`` spent as replicas of ``tensor_parallel_size`` boxes each."""
+    boxes, tp = run.experiment.capacity.boxes, run.hardware.tensor_parallel_size
+    if boxes is None:
+        return run
+    if boxes % tp:
+        raise ValueError(f"{boxes} boxes do not split into tensor-parallel groups of {tp}")
+    hw = dataclasses.replace(run.hardware, num_replicas=boxes // tp)
+    return dataclasses.replace(run, hardware=hw)
+
+
+def objective(out_dir: str | Path) -> tuple[float, float]:
+    """What a configuration search optimizes (``capacity.json``): the population served at the
+    SLO (maximize) and the p99 TTFT there (minimize), averaged over the repeats."""
+    out = json.loads((Path(out_dir) / "capacity.json").read_text())
+    at = [
+        e["p99_ttft_ms"]
+        for e in out["evaluations"]
+        for best in out["capacity_per_repeat"]
+        if e["population"] == best and e["passed"]
+    ]
+    return float(out["capacity"]), float(statistics.fmean(at)) if at else math.inf
+
+
 def capacity(run: RunConfig, out_dir: str | Path, **_: Any) -> list[dict[str, Any]]:
     """The search, repeated, its interval, the arithmetic beside it, and the files (notes)."""
     from experiments.backends import make_backend
@@ -287,6 +311,7 @@ def capacity(run: RunConfig, out_dir: str | Path, **_: Any) -> list[dict[str, An
         raise ValueError("experiment=capacity searches in simulation: executor=simulated")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    run = with_boxes(run)
     backend = make_backend(run)
     bests, evals, bounded = [], [], False
     for r in range(run.experiment.repeats):
@@ -337,4 +362,4 @@ def capacity(run: RunConfig, out_dir: str | Path, **_: Any) -> list[dict[str, An
     return rows
 
 
-__all__ = ["Evaluation", "arithmetic", "capacity", "evaluate", "search"]
+__all__ = ["Evaluation", "arithmetic", "capacity", "evaluate", "objective", "search", "with_boxes"]

@@ -23,6 +23,36 @@ from research.config import RunConfig, register_configs, run_config_from
 
 register_configs()
 
+# Hydra launcher and sweeper plugins: the module each needs and the extra that installs it.
+PLUGINS = {
+    "hydra/launcher=joblib": ("hydra_plugins.hydra_joblib_launcher", None),
+    "hydra/launcher=submitit_slurm": ("hydra_plugins.hydra_submitit_launcher", "slurm"),
+    "hydra/launcher=submitit_local": ("hydra_plugins.hydra_submitit_launcher", "slurm"),
+    "hydra/launcher=ray": ("hydra_plugins.hydra_ray_launcher", "ray"),
+    "hydra/launcher=ray_aws": ("hydra_plugins.hydra_ray_launcher", "ray"),
+    "hydra/sweeper=optuna": ("hydra_plugins.hydra_optuna_sweeper", None),
+}
+
+
+def missing_plugin(argv: list[str]) -> str | None:
+    """An error naming what to install when the command line picks a Hydra plugin this
+    environment lacks (Hydra itself would only say the config option is unknown)."""
+    import importlib.util
+
+    for arg in argv:
+        key = arg.lstrip("+~").replace(" ", "")
+        if key not in PLUGINS:
+            continue
+        module, extra = PLUGINS[key]
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            install = f"pip install -e '.[{extra}]'" if extra else "pip install -e ."
+            return f"{key} needs Hydra's plugin {module.split('.')[-1]!r}: {install}"
+    return None
+
 
 def model_override(run: RunConfig, overrides: list[str]) -> RunConfig:
     """An experiment that lists its models (``experiment.models``) runs the one chosen on the
@@ -64,7 +94,9 @@ def sweep_group(run: RunConfig, hydra_cfg: Any) -> tuple[str, str]:
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> Any:
+    """Runs the experiment; returns what a configuration search optimizes (the capacity
+    runner's users at the SLO and p99 TTFT there), None for other runners."""
     from experiments.runners import get_runner
 
     run = run_config_from(cfg)
@@ -78,7 +110,16 @@ def main(cfg: DictConfig) -> None:
     group, job_type = sweep_group(run, HydraConfig.get())
     runner = get_runner(run.experiment.runner)
     runner(run, out_dir, job_name=job_name(run, overrides), group=group, job_type=job_type)
+    if run.experiment.runner == "capacity":
+        from experiments.capacity import objective
+
+        return objective(out_dir)
+    return None
 
 
 if __name__ == "__main__":
+    import sys
+
+    if (error := missing_plugin(sys.argv[1:])) is not None:
+        sys.exit(f"error: {error}")
     main()

@@ -525,6 +525,11 @@ class CapacityConfig:
     warmup_turns: int = 1
     max_doublings: int = 2
     start_spread_s: float | None = None  # users start uniformly over it (None: one period)
+    # bisection stops when the bracket is within this fraction of the answer (0: exact)
+    tolerance: float = 0.0
+    # boxes to spend (None: the hardware group's): replicas = boxes / tensor_parallel_size, so
+    # a search can weigh TP against replicas on the same machines
+    boxes: int | None = None
     # the write-up's arithmetic printed beside: closed-loop curve at these concurrencies
     arithmetic_concurrencies: tuple[int, ...] = (1, 4, 8, 16, 32, 64, 128)
 
@@ -533,6 +538,8 @@ class CapacityConfig:
             raise ValueError("a capacity SLO needs slo_p99_ttft_ms, slo_min_tok_s or both")
         if min(self.max_population, self.start_population, self.min_measured_requests) < 1 or (
             self.warmup_turns < 0
+            or self.tolerance < 0
+            or (self.boxes is not None and self.boxes < 1)
         ):
             raise ValueError(
                 "max_population and min_measured_requests must be >= 1, warmup_turns >= 0"

@@ -109,3 +109,74 @@ def test_evaluate_measures_enough_requests_and_lengthens_when_the_halves_disagre
     monkeypatch.setattr(cap_mod, "_verdict", flipping)
     flipped = evaluate(run, backend, 2, 0)
     assert not flipped.converged and flipped.turns == 2 * (1 + 1 + 40 // 2)  # twice the first run
+
+
+# ------------------------------------------------------------------ the configuration search
+
+SEARCH = [
+    "experiment=capacity_search",
+    "workload.length_scale=0.1",
+    "workload.think_time_s=4.0",
+    "experiment.capacity.min_measured_requests=40",
+    "experiment.capacity.max_population=64",
+    "experiment.capacity.start_population=8",
+    "experiment.capacity.arithmetic_concurrencies=[1,8]",
+    "hydra.sweeper.n_jobs=1",
+    "tracking=disabled",
+]
+
+
+def _search(tmp_path, sweep, *extra):
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_experiments import ROOT
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    cmd = [
+        sys.executable, "-m", "experiments.run", "-m", *SEARCH,
+        f"hydra.sweeper.storage=sqlite:///{tmp_path}/study.db", f"hydra.sweep.dir={sweep}", *extra,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _trials(tmp_path):
+    import optuna
+
+    study = optuna.load_study(
+        study_name="capacity_search", storage=f"sqlite:///{tmp_path}/study.db"
+    )
+    return [(t.number, t.state.name, t.params, t.values) for t in study.trials]
+
+
+def test_a_stopped_search_resumes_from_its_storage_and_infeasible_trials_fail_alone(tmp_path):
+    """Two trials, one of them infeasible (utilization 0.05 leaves no room for the KV cache):
+    it is a failed trial and the search goes on; run again, the storage keeps both and adds
+    the new trial; the sweep ends with its Pareto front."""
+    grid = ["hydra.sweeper.params=null", "hydra.sweeper.n_trials=2"]  # this axis alone
+    _search(tmp_path, tmp_path / "a", *grid, "hardware.gpu_memory_utilization=choice(0.05,0.85)")
+    first = _trials(tmp_path)
+    assert sorted(state for _, state, _, _ in first) == ["COMPLETE", "FAIL"]
+    failed = next(t for t in first if t[1] == "FAIL")
+    assert failed[2] == {"hardware.gpu_memory_utilization": 0.05}
+    pareto = json.loads((tmp_path / "a" / "pareto.json").read_text())
+    assert [j["failed"] for j in pareto["jobs"]].count(True) == 1 and pareto["best"]["users"] > 0
+    # Run again (as after a kill): the same study and search space, one more trial.
+    again = ["hydra.sweeper.params=null", "hydra.sweeper.n_trials=1"]
+    _search(tmp_path, tmp_path / "b", *again, "hardware.gpu_memory_utilization=choice(0.05,0.85)")
+    second = _trials(tmp_path)
+    assert second[: len(first)] == first and len(second) == len(first) + 1
+    assert second[-1][1] in ("COMPLETE", "FAIL")
+
+
+def test_a_missing_launcher_plugin_names_the_extra():
+    from experiments.run import missing_plugin
+
+    message = missing_plugin(["-m", "hydra/launcher=submitit_slurm"])
+    if message is not None:  # not installed here: the error says what to install
+        assert "pip install -e '.[slurm]'" in message
+    assert missing_plugin(["hydra/launcher=joblib"]) is None  # a dependency: always there
+    assert missing_plugin(["model=tiny_llama"]) is None
