@@ -105,3 +105,24 @@ def test_figures_notebook_with_no_settings_reads_the_newest_run_and_writes_outsi
     tables = [o["data"]["text/markdown"] for o in outputs if "text/markdown" in o.get("data", {})]
     assert "| tiny-llama | 32 |" in tables[0]  # the newer run
     assert not list(tmp_path.glob("**/*.png"))  # figures went to a temporary folder
+
+
+@pytest.mark.slow  # about a minute: two short capacity searches
+def test_capacity_notebook_runs_a_small_search(tmp_path, monkeypatch):
+    monkeypatch.setenv("CAPACITY_DIR", str(tmp_path / "capacity"))
+    monkeypatch.setenv("QUICK", "1")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv("PYTHONPATH", str(root))
+    nb = nbformat.read(root / "notebooks" / "capacity.ipynb", as_version=4)
+    assert all(not cell.get("outputs") for cell in nb.cells if cell.cell_type == "code")
+    client = NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(root)}}
+    )
+    client.execute()
+    outputs = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
+    assert not [out for out in outputs if out.output_type == "error"]
+    tables = [o["data"]["text/markdown"] for o in outputs if "text/markdown" in o.get("data", {})]
+    assert "users** (95% CI" in tables[0] and "the write-up's arithmetic" in tables[0]
+    assert len([o for o in outputs if "image/png" in o.get("data", {})]) == 1
+    assert (tmp_path / "capacity" / "capacity.json").exists()
