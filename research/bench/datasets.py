@@ -30,14 +30,20 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from research.bench.workload import BenchRequest, length_bounds, random_requests
+from research.bench.workload import (
+    BenchRequest,
+    allowed_token_ids,
+    length_bounds,
+    random_requests,
+)
 
 TRACE_DIR = Path(__file__).parent / "data" / "traces"
 # name -> (format, file in TRACE_DIR)
@@ -120,41 +126,44 @@ def load_azure(path: str | Path) -> list[TraceRecord]:
     return out
 
 
+def _jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) of every non-blank line of a JSONL file; bad JSON names its line."""
+    with path.open(encoding="utf-8") as f:
+        for line, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                yield line, json.loads(text)
+            except json.JSONDecodeError as e:
+                raise DatasetError(path, line, f"not JSON ({e.msg})") from None
+
+
 def load_mooncake(path: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[TraceRecord]:
     """A Mooncake trace JSONL (``timestamp`` ms, ``input_length``, ``output_length``,
     ``hash_ids`` one per ``block_tokens``-token block)."""
     path = Path(path)
     out: list[TraceRecord] = []
     last = None
-    with path.open(encoding="utf-8") as f:
-        for line, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise DatasetError(path, line, f"not JSON ({e.msg})") from None
-            missing = [k for k in MOONCAKE_KEYS if k not in obj]
-            if missing:
-                raise DatasetError(
-                    path, line, f"missing key(s) {missing}; expected {MOONCAKE_KEYS}"
-                )
-            t = float(obj["timestamp"]) / 1000.0
-            _ordered(path, line, t, last)
-            last = t
-            n_in = _length(path, line, "input_length", obj["input_length"], 1)
-            n_out = _length(path, line, "output_length", obj["output_length"], 1)
-            ids = obj["hash_ids"]
-            if not isinstance(ids, list) or not all(isinstance(h, int) for h in ids):
-                raise DatasetError(path, line, "hash_ids must be a list of integers")
-            if len(ids) > math.ceil(n_in / block_tokens):
-                raise DatasetError(
-                    path,
-                    line,
-                    f"{len(ids)} hash ids of {block_tokens} tokens cover more than input_length "
-                    f"{n_in} (at most {math.ceil(n_in / block_tokens)})",
-                )
-            out.append(TraceRecord(t, n_in, n_out, tuple(ids)))
+    for line, obj in _jsonl(path):
+        missing = [k for k in MOONCAKE_KEYS if k not in obj]
+        if missing:
+            raise DatasetError(path, line, f"missing key(s) {missing}; expected {MOONCAKE_KEYS}")
+        t = float(obj["timestamp"]) / 1000.0
+        _ordered(path, line, t, last)
+        last = t
+        n_in = _length(path, line, "input_length", obj["input_length"], 1)
+        n_out = _length(path, line, "output_length", obj["output_length"], 1)
+        ids = obj["hash_ids"]
+        if not isinstance(ids, list) or not all(isinstance(h, int) for h in ids):
+            raise DatasetError(path, line, "hash_ids must be a list of integers")
+        if len(ids) > math.ceil(n_in / block_tokens):
+            raise DatasetError(
+                path,
+                line,
+                f"{len(ids)} hash ids of {block_tokens} tokens cover more than input_length "
+                f"{n_in} (at most {math.ceil(n_in / block_tokens)})",
+            )
+        out.append(TraceRecord(t, n_in, n_out, tuple(ids)))
     if not out:
         raise DatasetError(path, None, "no requests")
     return out
@@ -177,13 +186,6 @@ def load_trace(name_or_path: str | Path, fmt: str | None = None) -> list[TraceRe
     if fmt not in TRACE_FORMATS:
         raise ValueError(f"trace format must be one of {TRACE_FORMATS}, got {fmt!r} ({path})")
     return load_azure(path) if fmt == "azure" else load_mooncake(path)
-
-
-def _allowed_ids(vocab_size: int, special_ids: Iterable[int]) -> np.ndarray:
-    allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(list(special_ids), dtype=np.int64))
-    if allowed.size == 0:
-        raise ValueError("every token id in the vocabulary is special; nothing to draw from")
-    return allowed
 
 
 class BlockTokens:
@@ -220,7 +222,7 @@ def trace_requests(
         raise ValueError(
             f"length_scale must be > 0 and time_scale >= 0, got {length_scale}, {time_scale}"
         )
-    allowed = _allowed_ids(vocab_size, special_ids)
+    allowed = allowed_token_ids(vocab_size, special_ids)
     scaled_block = max(1, round(block_tokens * length_scale))
     blocks = BlockTokens(scaled_block, allowed, seed)
     rng = np.random.default_rng((seed, 1 << 30))
@@ -261,7 +263,7 @@ def prefix_random_requests(
     if not prefix_len:
         return reqs
     rng = np.random.default_rng((seed, 2))
-    prefix = rng.choice(_allowed_ids(vocab_size, special_ids), size=prefix_len).tolist()
+    prefix = rng.choice(allowed_token_ids(vocab_size, special_ids), size=prefix_len).tolist()
     return [BenchRequest(prefix + r.prompt_token_ids, r.output_len) for r in reqs]
 
 
@@ -283,7 +285,7 @@ def prefix_repetition_requests(
             f"suffix_len ({suffix_len}) >= 1"
         )
     length_bounds(output_len, 0.0)
-    allowed = _allowed_ids(vocab_size, special_ids)
+    allowed = allowed_token_ids(vocab_size, special_ids)
     rng = np.random.default_rng(seed)
     prefixes = [rng.choice(allowed, size=prefix_len).tolist() for _ in range(num_prefixes)]
     reqs = [
@@ -348,30 +350,23 @@ def custom_requests(
     ``default_output_len``)."""
     path = Path(path)
     out = []
-    with path.open(encoding="utf-8") as f:
-        for line, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise DatasetError(path, line, f"not JSON ({e.msg})") from None
-            if "prompt_token_ids" in obj:
-                ids = obj["prompt_token_ids"]
-                if not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
-                    raise DatasetError(path, line, "prompt_token_ids must be non-empty ids >= 0")
-            elif "prompt" in obj:
-                if tokenize is None:
-                    raise DatasetError(path, line, "a text prompt needs the engine's tokenizer")
-                ids = tokenize(str(obj["prompt"]))
-            else:
-                raise DatasetError(path, line, "each line needs 'prompt' or 'prompt_token_ids'")
-            n_out = _length(
-                path, line, "output_tokens", obj.get("output_tokens", default_output_len), 1
-            )
-            out.append(BenchRequest(list(ids), n_out))
-            if len(out) == num_prompts:
-                break
+    for line, obj in _jsonl(path):
+        if "prompt_token_ids" in obj:
+            ids = obj["prompt_token_ids"]
+            if not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise DatasetError(path, line, "prompt_token_ids must be non-empty ids >= 0")
+        elif "prompt" in obj:
+            if tokenize is None:
+                raise DatasetError(path, line, "a text prompt needs the engine's tokenizer")
+            ids = tokenize(str(obj["prompt"]))
+        else:
+            raise DatasetError(path, line, "each line needs 'prompt' or 'prompt_token_ids'")
+        n_out = _length(
+            path, line, "output_tokens", obj.get("output_tokens", default_output_len), 1
+        )
+        out.append(BenchRequest(list(ids), n_out))
+        if len(out) == num_prompts:
+            break
     if not out:
         raise DatasetError(path, None, "no requests")
     return out

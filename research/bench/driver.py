@@ -166,7 +166,19 @@ def run_benchmark(
                 records[i] = _record(requests[i], out)
                 bar.update()
     bar.close()
+    return finished_result(engine, records, start, max_concurrency, request_rate, burstiness)
 
+
+def finished_result(
+    engine: EngineLike,
+    records: list[RequestRecord],
+    start: float,
+    max_concurrency: int | None,
+    request_rate: float = math.inf,
+    burstiness: float = 1.0,
+) -> BenchmarkResult:
+    """The result of a run whose requests have all finished: its duration runs from the first
+    send to the last finish; the engine's stats after it."""
     first_send = min(r.send_time for r in records)
     last_finish = max(r.finish_time for r in records)
     return BenchmarkResult(

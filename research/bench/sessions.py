@@ -32,8 +32,19 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from research.bench.driver import BenchmarkResult, EngineLike, _record, _refused
-from research.bench.workload import BenchRequest, arrival_times, length_bounds
+from research.bench.driver import (
+    BenchmarkResult,
+    EngineLike,
+    _record,
+    _refused,
+    finished_result,
+)
+from research.bench.workload import (
+    BenchRequest,
+    allowed_token_ids,
+    arrival_times,
+    length_bounds,
+)
 from research.engine.request import SamplingParams
 
 
@@ -53,13 +64,6 @@ class Session:
 
 def _draw(rng: np.random.Generator, allowed: np.ndarray, n: int) -> list[int]:
     return rng.choice(allowed, size=n).tolist()
-
-
-def _allowed(vocab_size: int, special_ids: Iterable[int]) -> np.ndarray:
-    allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(list(special_ids), dtype=np.int64))
-    if allowed.size == 0:
-        raise ValueError("every token id in the vocabulary is special; nothing to draw from")
-    return allowed
 
 
 def _starts(n: int, user_rate: float, seed: int) -> np.ndarray:
@@ -96,7 +100,7 @@ def chat_sessions(
         )
     if num_sessions < 1 or turns < 1 or think_time_s < 0:
         raise ValueError("num_sessions and turns must be >= 1 and think_time_s >= 0")
-    allowed = _allowed(vocab_size, special_ids)
+    allowed = allowed_token_ids(vocab_size, special_ids)
     rng = np.random.default_rng(seed)
     msg, out = length_bounds(message_len, range_ratio), length_bounds(output_len, range_ratio)
     sessions = []
@@ -138,7 +142,7 @@ def agent_sessions(
     calls."""
     if num_agents < 1 or calls < 1 or tool_time_s < 0 or context_len < 1:
         raise ValueError("num_agents, calls and context_len must be >= 1 and tool_time_s >= 0")
-    allowed = _allowed(vocab_size, special_ids)
+    allowed = allowed_token_ids(vocab_size, special_ids)
     rng = np.random.default_rng(seed)
     sessions = []
     for start in _starts(num_agents, user_rate, seed):
@@ -264,17 +268,7 @@ def run_sessions(
             else:
                 end_session()
     bar.close()
-    first = min(r.send_time for r in records)
-    last = max(r.finish_time for r in records)
-    return BenchmarkResult(
-        records=records,
-        start_time=start,
-        duration=last - first,
-        max_concurrency=max_concurrency,
-        request_rate=math.inf,
-        burstiness=1.0,
-        engine_stats=engine.stats(),
-    )
+    return finished_result(engine, records, start, max_concurrency)
 
 
 __all__ = [

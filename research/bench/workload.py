@@ -47,6 +47,14 @@ def length_bounds(length: int, range_ratio: float) -> tuple[int, int]:
     return low, high
 
 
+def allowed_token_ids(vocab_size: int, special_ids: Iterable[int] = ()) -> np.ndarray:
+    """Token ids in [0, vocab_size) a synthetic prompt may use: every id but the special ones."""
+    allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(list(special_ids), dtype=np.int64))
+    if allowed.size == 0:
+        raise ValueError("every token id in the vocabulary is special; nothing to draw from")
+    return allowed
+
+
 def random_requests(
     num_prompts: int,
     input_len: int,
@@ -61,9 +69,7 @@ def random_requests(
     same requests."""
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
-    allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(list(special_ids), dtype=np.int64))
-    if allowed.size == 0:
-        raise ValueError("every token id in the vocabulary is special; nothing to draw from")
+    allowed = allowed_token_ids(vocab_size, special_ids)
     rng = np.random.default_rng(seed)
     in_low, in_high = length_bounds(input_len, range_ratio)
     out_low, out_high = length_bounds(output_len, range_ratio)
