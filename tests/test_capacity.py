@@ -152,6 +152,7 @@ def _trials(tmp_path):
     return [(t.number, t.state.name, t.params, t.values) for t in study.trials]
 
 
+@pytest.mark.slow  # two Optuna multiruns in subprocesses (about 30 s)
 def test_a_stopped_search_resumes_from_its_storage_and_infeasible_trials_fail_alone(tmp_path):
     """Two trials, one of them infeasible (utilization 0.05 leaves no room for the KV cache):
     it is a failed trial and the search goes on; run again, the storage keeps both and adds

@@ -325,6 +325,7 @@ def _sharing_subset(records, n):
     return [records[i] for i in sorted(chosen)]
 
 
+@pytest.mark.slow  # compiles tiny-llama's steps (about 40 s)
 def test_real_engine_and_simulator_hit_the_same_prefix_blocks():
     """24 Mooncake conversation requests that share prefixes, at 1/32 of their lengths
     (16-token trace blocks) and cut to tiny-llama's context, closed loop at 4, through the real
@@ -378,6 +379,7 @@ def test_sharegpt_first_turns_and_sessions(tmp_path):
     assert [t.output_len for t in sessions[0].turns] == [4, 3] and sessions[0].turns[1].gap_s == 3.0
 
 
+@pytest.mark.slow  # compiles tiny-llama's steps (about 40 s)
 def test_the_real_engine_runs_chat_sessions_from_hydra(tmp_path):
     """workload=chat_sessions on tiny-llama on this CPU, lengths scaled to its context: every
     turn after the first finds its history cached."""

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.test_experiments import ROOT
 
 SWEEP = [
@@ -42,6 +44,7 @@ def _summary(sweep_dir):
         return [{k: v for k, v in row.items()} for row in csv.DictReader(f)]
 
 
+@pytest.mark.slow  # three multiruns in subprocesses (about 40 s)
 def test_joblib_equals_sequential_and_a_killed_multirun_computes_only_what_is_missing(tmp_path):
     sequential, parallel = tmp_path / "seq", tmp_path / "par"
     seq = _multirun(sequential, "hydra/launcher=basic")

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 # The last step's inputs, pool and sequence stay referenced until the next step: a handful
 # of objects whatever the traffic. Keeping one object per finished request leaves thousands
@@ -22,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_RETAINED_OBJECTS = 50
 
 
+@pytest.mark.slow  # a minute of serving in its own process
 def test_short_soak_in_its_own_process(tmp_path, capsys):
     out = tmp_path / "soak.json"
     cmd = [sys.executable, "-m", "experiments.soak", "--minutes", "0.2", "--warmup-minutes",
