@@ -10,7 +10,9 @@ starting at a uniform offset over one period so they are out of step.
 
 For a population N (``evaluate``): a simulated run long enough that ``min_measured_requests``
 requests fall after the warm-up (each user's first ``warmup_turns`` turns and the start spread,
-or a trace's first tenth; a run that measured fewer is lengthened); the SLO holds when p99 TTFT <= ``slo_p99_ttft_ms`` and the median request's speed
+or a trace's first tenth; a run that measured fewer is lengthened), and each user goes through
+at least two whole conversations (or agent tasks) after it, so histories reach their steady mix;
+the SLO holds when p99 TTFT <= ``slo_p99_ttft_ms`` and the median request's speed
 (1000 / its mean TPOT) >= ``slo_min_tok_s``. Convergence: the measured requests are split in
 two halves by send time, and while the halves disagree on the verdict the run is doubled (up to
 ``max_doublings``); the row says whether it converged. The search doubles N from
@@ -129,8 +131,8 @@ def evaluate(run: RunConfig, backend: Any, n: int, seed: int) -> Evaluation:
     """One population's simulated run and its SLO verdict (module notes)."""
     cap, w = run.experiment.capacity, run.workload
     is_sessions = w.dataset in SESSION_DATASETS
-    if is_sessions:
-        turns = cap.warmup_turns + 1 + math.ceil(cap.min_measured_requests / n)
+    if is_sessions:  # and at least two whole conversations (tasks) per user after the warm-up
+        turns = cap.warmup_turns + max(1 + math.ceil(cap.min_measured_requests / n), 2 * w.turns)
     else:
         turns = math.ceil(cap.min_measured_requests / (1 - WARMUP_TRACE_FRACTION))
     for attempt in range(cap.max_doublings + 1):
