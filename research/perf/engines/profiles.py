@@ -20,7 +20,7 @@ Python: JAX is not imported.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from research.config import ENGINE_NAMES
@@ -207,27 +207,17 @@ LLAMA_CPP = EngineProfile(
     },
 )
 
-OLLAMA = EngineProfile(
+# Ollama runs llama.cpp's runner: the llama_cpp profile's mechanisms, calibration and GGUF
+# weights, under Ollama's own slot, context and queue defaults.
+OLLAMA = replace(
+    LLAMA_CPP,
     name="ollama",
     engine="Ollama 0.12.11 (llama.cpp runner)",
-    scheduling_policy="continuous",
-    paged=False,
-    prefix_cache="none",
-    enable_chunked_prefill=True,
-    max_num_seqs=None,
     max_num_batched_tokens=512,  # num_batch
-    block_size=None,
-    gpu_memory_utilization=1.0,
     parallel=1,
     ctx_size=4096,
     ctx_per_slot=True,
-    graph_max_tokens=1,
-    eager_layer_overhead=True,
-    expert_tiles="mmq",
-    combine=LLAMA_CPP_COMBINE,
-    kv_read_block=256,
-    weight_formats=GGUF_WEIGHTS,
-    calibration="llama_cpp",
+    kv_unified_by_default=False,
     sources={
         "parallel": "ollama/ollama v0.12.11 envconfig/config.go: OLLAMA_NUM_PARALLEL 1 (since "
         "v0.9.7); requests beyond it wait on llm/server.go's semaphore, in arrival order",
