@@ -72,29 +72,16 @@ def _period_s(run: RunConfig) -> float:
 
 def _population(run: RunConfig, backend: Any, n: int, turns: int, seed: int) -> tuple[list, float]:
     """(sessions or requests, warm-up seconds) of population ``n``."""
-    from research.bench import datasets, sessions
+    from research.bench import datasets
 
     w, cap = run.workload, run.experiment.capacity
     ids = dict(vocab_size=backend.vocab_size, seed=seed, special_ids=backend.special_ids)
     spread = _period_s(run) if cap.start_spread_s is None else cap.start_spread_s
 
-    def scaled(x: int) -> int:
-        return max(1, round(x * w.length_scale))
+    if w.dataset in SESSION_DATASETS:
+        from experiments.workloads import build_load
 
-    if w.dataset == "chat_sessions":
-        pop = sessions.chat_sessions(
-            n, turns=turns, system_len=scaled(w.system_len), message_len=scaled(w.input_len),
-            output_len=scaled(w.output_len), think_time_s=w.think_time_s,
-            think_time_dist=w.think_time_dist, range_ratio=w.range_ratio,
-            start_spread_s=spread, conversation_turns=w.turns, **ids,
-        )  # fmt: skip
-        return pop, spread + cap.warmup_turns * _period_s(run)
-    if w.dataset == "agents":
-        pop = sessions.agent_sessions(
-            n, calls=turns, context_len=scaled(w.context_len), output_len=scaled(w.output_len),
-            tool_output_len=scaled(w.tool_output_len), tool_time_s=w.tool_time_s,
-            start_spread_s=spread, conversation_turns=w.turns, **ids,
-        )  # fmt: skip
+        pop = build_load(run, backend, n, seed, turns=turns, start_spread_s=spread)
         return pop, spread + cap.warmup_turns * _period_s(run)
     records = datasets.load_trace(w.path if w.dataset == "trace" else w.dataset, w.trace_format)
     records = records[:turns]

@@ -26,7 +26,7 @@ from typing import Any
 from experiments.backends import Backend, make_backend
 from research.bench.provenance import provenance, write_csv
 from research.bench.report import append_result, format_table, result_point
-from research.config import TRACE_DATASETS, RunConfig
+from research.config import RunConfig
 from research.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -53,79 +53,11 @@ def _slos(run: RunConfig) -> dict[str, float] | None:
     return slos or None
 
 
-def _tokenize(backend: Backend) -> Any:
-    """The engine's tokenizer's ``encode``; a simulated model has none, so text datasets are
-    counted in SmolLM2's tokens (the bundled GGUF's tokenizer)."""
-    tokenizer = getattr(getattr(backend, "llm", None), "tokenizer", None)
-    if tokenizer is None:
-        from research.models.weights import smollm2_gguf_path
-        from research.tokenizer import Tokenizer
-
-        tokenizer = Tokenizer.from_gguf(smollm2_gguf_path())
-    return tokenizer.encode
-
-
 def _requests(run: RunConfig, backend: Backend, n: int, seed: int) -> list[Any]:
-    """``n`` requests of the workload's dataset (``research.bench.datasets``), or for a
-    sessions dataset ``n`` sessions (``research.bench.sessions``)."""
-    from research.bench import datasets, sessions
+    """``n`` requests (or sessions) of the workload: ``experiments.workloads.build_load``."""
+    from experiments.workloads import build_load
 
-    w = run.workload
-    ids = dict(vocab_size=backend.vocab_size, seed=seed, special_ids=backend.special_ids)
-    scale = w.length_scale
-
-    def scaled(x: int) -> int:
-        return max(1, round(x * scale))
-
-    if w.dataset == "random":
-        return datasets.prefix_random_requests(
-            n, w.prefix_len, w.input_len, w.output_len, w.range_ratio, **ids
-        )
-    if w.dataset == "prefix_repetition":
-        return datasets.prefix_repetition_requests(
-            n, w.prefix_len, w.suffix_len, w.num_prefixes, w.output_len, **ids
-        )
-    if w.dataset == "burstgpt":
-        return datasets.burstgpt_requests(w.path, n, length_scale=scale, **ids)
-    if w.dataset == "custom":
-        return datasets.custom_requests(w.path, n, _tokenize(backend), w.output_len)
-    if w.dataset == "sharegpt":
-        return datasets.sharegpt_requests(w.path, n, _tokenize(backend))
-    if w.dataset in TRACE_DATASETS:
-        name = w.path if w.dataset == "trace" else w.dataset
-        records = datasets.load_trace(name, w.trace_format)[:n]
-        reqs = datasets.trace_requests(records, length_scale=scale, time_scale=w.time_scale, **ids)
-        if not w.replay_timestamps:
-            reqs = [datasets.BenchRequest(r.prompt_token_ids, r.output_len) for r in reqs]
-        return reqs
-    users = dict(user_rate=w.request_rate, **ids)
-    if w.dataset == "chat_sessions":
-        return sessions.chat_sessions(
-            n,
-            turns=w.turns,
-            system_len=scaled(w.system_len),
-            message_len=scaled(w.input_len),
-            output_len=scaled(w.output_len),
-            think_time_s=w.think_time_s,
-            think_time_dist=w.think_time_dist,
-            range_ratio=w.range_ratio,
-            **users,
-        )
-    if w.dataset == "agents":
-        return sessions.agent_sessions(
-            n,
-            calls=w.turns,
-            context_len=scaled(w.context_len),
-            output_len=scaled(w.output_len),
-            tool_output_len=scaled(w.tool_output_len),
-            tool_time_s=w.tool_time_s,
-            **users,
-        )
-    conversations = datasets.load_sharegpt(w.path)  # sharegpt_sessions
-    return sessions.sharegpt_sessions(
-        conversations, n, _tokenize(backend), think_time_s=w.think_time_s,
-        user_rate=w.request_rate, seed=seed,
-    )  # fmt: skip
+    return build_load(run, backend, n, seed)
 
 
 def _attention_reason(backend: Backend) -> str:
