@@ -94,33 +94,38 @@ def _ordered(path: Path, line: int, t: float, last: float | None) -> None:
         raise DatasetError(path, line, f"timestamp {t} comes before the previous one ({last})")
 
 
+def _csv_rows(path: Path, columns: tuple[str, ...]) -> Iterator[tuple[int, dict[str, str]]]:
+    """(line number, row) of a CSV file whose header must name ``columns``."""
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in columns if c not in (reader.fieldnames or ())]
+        if missing:
+            raise DatasetError(path, 1, f"missing column(s) {missing}; expected {columns}")
+        yield from enumerate(reader, start=2)
+
+
 def load_azure(path: str | Path) -> list[TraceRecord]:
     """An Azure LLM inference trace CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``)."""
     path = Path(path)
-    with path.open(newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        missing = [c for c in AZURE_COLUMNS if c not in (reader.fieldnames or ())]
-        if missing:
-            raise DatasetError(path, 1, f"missing column(s) {missing}; expected {AZURE_COLUMNS}")
-        out: list[TraceRecord] = []
-        start = last = None
-        for line, row in enumerate(reader, start=2):
-            try:
-                t = datetime.fromisoformat(row["TIMESTAMP"][:26]).timestamp()
-            except (TypeError, ValueError):
-                raise DatasetError(
-                    path, line, f"TIMESTAMP {row['TIMESTAMP']!r} is not a time"
-                ) from None
-            _ordered(path, line, t, last)
-            start = t if start is None else start
-            last = t
-            out.append(
-                TraceRecord(
-                    t - start,
-                    _length(path, line, "ContextTokens", row["ContextTokens"], 1),
-                    _length(path, line, "GeneratedTokens", row["GeneratedTokens"], 1),
-                )
+    out: list[TraceRecord] = []
+    start = last = None
+    for line, row in _csv_rows(path, AZURE_COLUMNS):
+        try:
+            t = datetime.fromisoformat(row["TIMESTAMP"][:26]).timestamp()
+        except (TypeError, ValueError):
+            raise DatasetError(
+                path, line, f"TIMESTAMP {row['TIMESTAMP']!r} is not a time"
+            ) from None
+        _ordered(path, line, t, last)
+        start = t if start is None else start
+        last = t
+        out.append(
+            TraceRecord(
+                t - start,
+                _length(path, line, "ContextTokens", row["ContextTokens"], 1),
+                _length(path, line, "GeneratedTokens", row["GeneratedTokens"], 1),
             )
+        )
     if not out:
         raise DatasetError(path, None, "no requests")
     return out
@@ -311,22 +316,17 @@ def burstgpt_requests(
     """The first ``num_prompts`` BurstGPT rows of ``model`` (None: every model) that got a
     response, as random-token requests of their lengths (vLLM ignores the timestamps too)."""
     path = Path(path)
-    with path.open(newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        missing = [c for c in BURSTGPT_COLUMNS if c not in (reader.fieldnames or ())]
-        if missing:
-            raise DatasetError(path, 1, f"missing column(s) {missing}; expected {BURSTGPT_COLUMNS}")
-        records = []
-        for line, row in enumerate(reader, start=2):
-            if model is not None and row["Model"] != model:
-                continue
-            n_out = _length(path, line, "Response tokens", row["Response tokens"], 0)
-            if n_out == 0:  # a failed request
-                continue
-            n_in = _length(path, line, "Request tokens", row["Request tokens"], 1)
-            records.append(TraceRecord(0.0, n_in, n_out))
-            if len(records) == num_prompts:
-                break
+    records = []
+    for line, row in _csv_rows(path, BURSTGPT_COLUMNS):
+        if model is not None and row["Model"] != model:
+            continue
+        n_out = _length(path, line, "Response tokens", row["Response tokens"], 0)
+        if n_out == 0:  # a failed request
+            continue
+        n_in = _length(path, line, "Request tokens", row["Request tokens"], 1)
+        records.append(TraceRecord(0.0, n_in, n_out))
+        if len(records) == num_prompts:
+            break
     if not records:
         raise DatasetError(path, None, f"no rows of model {model!r} with a response")
     reqs = trace_requests(
