@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 BINARY = "llama-batched-bench"
+QUANTIZE = "llama-quantize"  # requantizes the GGUF to each dtype ours runs (same weights)
 # The llama.cpp a ``--build`` compiles: the sources vendored in this sdist, pinned so two
 # machines' figures come from the same kernels.
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
@@ -90,7 +91,7 @@ def build(build_dir: str | os.PathLike) -> Path:
     the ``llama-cpp-python`` sdist (downloaded with pip; reused when already built)."""
     root = Path(build_dir)
     binary = root / "build" / "bin" / BINARY
-    if binary.is_file():
+    if binary.is_file() and (binary.parent / QUANTIZE).is_file():
         return binary
     root.mkdir(parents=True, exist_ok=True)
     src = root / "src"
@@ -118,7 +119,8 @@ def build(build_dir: str | os.PathLike) -> Path:
     )  # fmt: skip
     jobs = str(len(os.sched_getaffinity(0)))
     subprocess.run(
-        ["cmake", "--build", str(root / "build"), "--target", BINARY, "-j", jobs], check=True
+        ["cmake", "--build", str(root / "build"), "--target", BINARY, QUANTIZE, "-j", jobs],
+        check=True,
     )
     return binary
 

@@ -50,10 +50,14 @@ FAMILIES: dict[str, tuple[list[Path], dict[str, str]]] = {
             "research_packed_attention": "PackedAttention",
         },
     ),
-    "gemm": ([_HERE / "gemm.cc"], {"research_gemm_bf16": "GemmBf16"}),
+    "gemm": (
+        [_HERE / "gemm.cc"],
+        {"research_gemm_bf16": "GemmBf16", "research_gemm_f32": "GemmF32"},
+    ),
 }
 _TARGET = "research_paged_attention"
 _GEMM_TARGET = "research_gemm_bf16"
+_GEMM_F32_TARGET = "research_gemm_f32"
 _PACKED_TARGET = "research_packed_attention"
 BUILD_TIMEOUT_S = 600.0
 _lock = threading.Lock()
@@ -84,8 +88,27 @@ def _compiler() -> tuple[str, str]:
     return compiler, (version[0] if version else "")
 
 
-def _flags(compiler: str) -> list[str]:
-    flags = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w"]
+# Compiler macros for instruction sets a build may assume -> the /proc/cpuinfo flag each needs
+# (AMX is not here: the AMX path checks CPUID and asks the OS for the tile state at run time).
+_ISA_MACROS = {
+    "__AVX__": "avx", "__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c",
+    "__BMI2__": "bmi2", "__AVX512F__": "avx512f", "__AVX512BW__": "avx512bw",
+    "__AVX512DQ__": "avx512dq", "__AVX512VL__": "avx512vl", "__AVX512BF16__": "avx512_bf16",
+    "__AVX512VNNI__": "avx512_vnni", "__AVX512FP16__": "avx512_fp16", "__AVXVNNI__": "avx_vnni",
+    "__ARM_FEATURE_SVE": "sve", "__ARM_FEATURE_DOTPROD": "asimddp",
+    "__ARM_FEATURE_BF16_VECTOR_ARITHMETIC": "bf16", "__ARM_FEATURE_MATMUL_INT8": "i8mm",
+}  # fmt: skip
+
+
+def march() -> str:
+    """The ``-march`` the libraries are built for: ``$RESEARCH_NATIVE_MARCH`` (e.g. ``x86-64-v3``
+    for an AVX2 build, ``x86-64-v2`` for SSE only), default ``native`` (this CPU)."""
+    return os.environ.get("RESEARCH_NATIVE_MARCH", "native")
+
+
+def _flags(compiler: str, arch: str | None = None) -> list[str]:
+    arch = arch or march()
+    flags = ["-O3", f"-march={arch}", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w"]
     if platform.machine() in ("x86_64", "AMD64"):  # 512-bit vectors; AMX where the compiler can
         x86 = ["-mprefer-vector-width=512", "-mamx-tile", "-mamx-bf16"]
         probe = subprocess.run(
@@ -99,12 +122,65 @@ def _flags(compiler: str) -> list[str]:
     return flags
 
 
-def library_path(family: str) -> Path:
-    """Where ``family``'s library for this machine, compiler and source lives in the cache."""
+def _cpu_flags() -> set[str] | None:
+    """This CPU's feature flags from /proc/cpuinfo (x86 ``flags``, ARM ``Features``); None
+    where there is no such file."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.split(":", 1)[1].split())
+    return None
+
+
+def missing_isa(compiler: str, arch: str) -> list[str]:
+    """The instruction sets a ``-march=arch`` build assumes (the compiler's predefined macros)
+    that this CPU lacks (empty where it has them all, or where the CPU's flags are unknown):
+    a library that assumes one would die of an illegal instruction here."""
+    cpu = _cpu_flags()
+    if cpu is None:
+        return []
+    proc = subprocess.run(
+        [compiler, f"-march={arch}", "-dM", "-E", "-x", "c++", "-"],
+        input="",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{compiler} does not know -march={arch}: {proc.stderr.strip()[-300:]}")
+    defined = {ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("#define ")}
+    return sorted(flag for macro, flag in _ISA_MACROS.items() if macro in defined and flag not in cpu)
+
+
+def resolve_march(compiler: str) -> str:
+    """``march()`` where this CPU runs what it assumes; else ``native`` (this CPU's own
+    instruction sets), with a warning naming what the requested build would have needed."""
+    arch = march()
+    if arch == "native":
+        return arch
+    missing = missing_isa(compiler, arch)
+    if missing:
+        log.warning(
+            "RESEARCH_NATIVE_MARCH=%s assumes %s, which this CPU lacks: building the native "
+            "kernels for -march=native instead",
+            arch,
+            ", ".join(missing),
+        )
+        return "native"
+    return arch
+
+
+def library_path(family: str, arch: str | None = None) -> Path:
+    """Where ``family``'s library for this machine, compiler, ``-march`` (default ``march()``)
+    and source lives in the cache."""
     import jaxlib
 
     sources, _ = FAMILIES[family]
     compiler, version = _compiler()
+    arch = arch or march()
     texts = [p.read_text() for p in (*sources, *_HEADERS)]
     key = hashlib.sha256(
         "\n".join(
@@ -113,7 +189,7 @@ def library_path(family: str) -> Path:
                 jaxlib.__version__,
                 compiler,
                 version,
-                " ".join(_flags(compiler)),
+                " ".join(_flags(compiler, arch)),
                 _cpu_signature(),
             ]
         ).encode()
@@ -121,12 +197,12 @@ def library_path(family: str) -> Path:
     return cache_dir() / f"{family}-{platform.machine()}-{key}.so"
 
 
-def _build(family: str) -> tuple[Path, str]:
-    """``family``'s library, built under the cache's file lock unless already there: (path,
-    "built" or "cached")."""
+def _build(family: str, arch: str) -> tuple[Path, str]:
+    """``family``'s library for ``-march=arch``, built under the cache's file lock unless already
+    there: (path, "built" or "cached")."""
     import jax
 
-    lib = library_path(family)
+    lib = library_path(family, arch)
     if lib.exists():
         return lib, "cached"
     cache = cache_dir()
@@ -152,7 +228,7 @@ def _build(family: str) -> tuple[Path, str]:
             sources, _ = FAMILIES[family]
             with tempfile.TemporaryDirectory(dir=cache) as tmp:
                 out = Path(tmp) / lib.name
-                cmd = [compiler, *_flags(compiler), "-I", jax.ffi.include_dir(), "-o", str(out)]
+                cmd = [compiler, *_flags(compiler, arch), "-I", jax.ffi.include_dir(), "-o", str(out)]
                 cmd += [str(p) for p in sources]
                 try:
                     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -176,13 +252,19 @@ def _load(family: str = "attention") -> bool:
         try:
             import jax
 
-            path, event = _build(family)
+            arch = resolve_march(_compiler()[0])
+            missing = missing_isa(_compiler()[0], arch)
+            if missing:  # -march=native assuming what /proc/cpuinfo does not list
+                raise RuntimeError(
+                    f"a -march={arch} build assumes {', '.join(missing)}, which this CPU lacks"
+                )
+            path, event = _build(family, arch)
             lib = ctypes.cdll.LoadLibrary(str(path))
             for target, symbol in FAMILIES[family][1].items():
                 jax.ffi.register_ffi_target(
                     target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
                 )
-            state.update(ok=True, lib=lib, event=event, path=path)
+            state.update(ok=True, lib=lib, event=event, path=path, march=arch)
         except Exception as exc:  # no compiler, headers or loader: the XLA path serves instead
             state.update(ok=False, error=str(exc), event="failed")
             log.warning(
@@ -210,6 +292,11 @@ def build_events() -> dict[str, str]:
     """Per family tried in this process: "built" (compiled here), "cached" (found built, maybe
     after waiting for another process's build) or "failed"."""
     return {f: s["event"] for f, s in _state.items() if "event" in s}
+
+
+def built_march(family: str) -> str | None:
+    """The ``-march`` ``family``'s loaded library was built for (None when not loaded)."""
+    return _state.get(family, {}).get("march")
 
 
 def library(family: str) -> Any:
@@ -297,9 +384,12 @@ __all__ = [
     "available",
     "build_error",
     "build_events",
+    "built_march",
     "cache_dir",
     "library",
     "library_path",
+    "march",
+    "missing_isa",
     "packed_attention",
     "paged_attention",
 ]

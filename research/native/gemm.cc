@@ -31,6 +31,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
 
 #include "parallel.h"
 #include "vec_math.h"
@@ -187,7 +190,7 @@ void gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const uint16_t
   research_native::parallel_for(pool, row_units * groups, 4, run);
 }
 
-#else  // no AMX in this build: the Python side never routes here (ResearchAmxReady() is 0)
+#else  // no AMX in this build: ``kernel`` never resolves to it (ResearchAmxReady() is 0)
 
 bool amx_ready() { return false; }
 void gemm(ffi::ThreadPool&, int64_t, int64_t, int64_t, const uint16_t*, const uint16_t*,
@@ -195,8 +198,149 @@ void gemm(ffi::ThreadPool&, int64_t, int64_t, int64_t, const uint16_t*, const ui
 
 #endif
 
+// ---- The vector kernel: any CPU, whatever vector width the compiler targets ----------------
+//
+// Decode multiplies a few rows by every weight once, so a step is as fast as the weights
+// stream: each 32-column panel (a contiguous stream; bfloat16 in AMX's layout) is read once per
+// unit of up to kVecUnitRows rows, kVecRows rows at a time from cache, each output column one
+// float32 lane. A unit's rows are widened to float32 once. A bfloat16 pair (two k) is one
+// 32-bit lane: the even k is its low half (<< 16), the odd k its high half (& 0xFFFF0000),
+// both exact in float32, so a product of two bf16 values is exact too. Each lane keeps two
+// float32 sums, of its even-k and of its odd-k products, each in k order through fused
+// multiply-adds (two independent chains, so the FMA units never wait on one), and adds them at
+// the end: the same bits on every instruction set (AVX2, AVX-512, NEON, SVE) and for any
+// number of rows, so a row's result never depends on its batch. (AVX512-BF16's vdpbf16ps ran at
+// half the speed of two FMAs on an AVX512-BF16 Xeon, and it and AMX round differently from
+// each other: neither is used here.) float32 weights are panels [K, 32], summed the same way.
+
+// Vectors of the target's native width (a wider GCC vector would be split into registers
+// the compiler spills); a pass covers kPassCols of a panel's 32 columns for kVecRows rows, its
+// 2 x kVecRows x kPassCols / kLanes accumulators and the pass's weights in registers.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16, kVecRows = 4, kPassCols = 32;  // 16 accumulators of 32 registers
+#elif defined(__AVX__)
+constexpr int kLanes = 8, kVecRows = 2, kPassCols = 16;  // 8 accumulators of 16 registers
+#else  // NEON, SSE: 128-bit vectors (32 registers on NEON, 16 on SSE)
+constexpr int kLanes = 4, kVecRows = 2, kPassCols = 16;
+#endif
+constexpr int kPassVecs = kPassCols / kLanes;
+constexpr int64_t kVecUnitRows = 64;
+
+typedef float vf __attribute__((vector_size(kLanes * 4)));
+typedef float vfu __attribute__((vector_size(kLanes * 4), aligned(4)));
+typedef uint32_t vu __attribute__((vector_size(kLanes * 4)));
+typedef uint32_t vuu __attribute__((vector_size(kLanes * 4), aligned(4)));
+
+// The even-k and odd-k weights of kLanes columns from `col` at k pair (kb, r).
+inline void load_pair(const uint16_t* panel, int64_t kb, int r, int col, vf& e, vf& o) {
+  const uint16_t* p = panel + kb * 1024 + (col / 16) * 512 + r * 32 + (col % 16) * 2;
+  const vu w = *reinterpret_cast<const vuu*>(p);
+  e = reinterpret_cast<vf>(w << 16);
+  o = reinterpret_cast<vf>(w & 0xFFFF0000u);
+}
+
+inline void load_pair(const float* panel, int64_t kb, int r, int col, vf& e, vf& o) {
+  const float* p = panel + (kb * 32 + 2 * r) * 32 + col;
+  e = *reinterpret_cast<const vfu*>(p);
+  o = *reinterpret_cast<const vfu*>(p + 32);
+}
+
+// c[i, c0 .. c0 + kPassCols] for rows i < R = x[R rows, :] @ W[:, those panel columns]; x:
+// float32 rows, row i at x + i * ldx; c: [R, 32] float32.
+template <int R, typename T>
+void vec_rows(const T* panel, const float* x, int64_t ldx, int64_t kbs, int c0, float* c) {
+  vf even[R][kPassVecs] = {}, odd[R][kPassVecs] = {};
+  for (int64_t kb = 0; kb < kbs; ++kb) {
+    const float* xk = x + kb * 32;
+    for (int r = 0; r < 16; ++r) {
+      vf e[kPassVecs], o[kPassVecs];
+      for (int v = 0; v < kPassVecs; ++v) load_pair(panel, kb, r, c0 + v * kLanes, e[v], o[v]);
+      for (int i = 0; i < R; ++i) {
+        const float xe = xk[i * ldx + 2 * r], xo = xk[i * ldx + 2 * r + 1];
+        for (int v = 0; v < kPassVecs; ++v) {
+          even[i][v] += xe * e[v];
+          odd[i][v] += xo * o[v];
+        }
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int v = 0; v < kPassVecs; ++v) {
+      *reinterpret_cast<vfu*>(c + i * 32 + c0 + v * kLanes) = even[i][v] + odd[i][v];
+    }
+  }
+}
+
+template <int R, typename T>
+void vec_rows_panel(const T* panel, const float* x, int64_t k, float* c) {
+  for (int c0 = 0; c0 < 32; c0 += kPassCols) vec_rows<R>(panel, x, k, k / 32, c0, c);
+}
+
+// y = x @ W through the vector kernel: units of (up to kVecUnitRows rows, one panel), units
+// that share rows consecutive, claimed over XLA's intra-op threads. T: uint16_t (bf16 bits) or
+// float, for both x and W.
+template <typename T>
+void vec_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const T* xp, const T* wp,
+              const Output& out) {
+  const int64_t groups = n / 32, panel_elems = k * 32;
+  const int64_t row_units = (m + kVecUnitRows - 1) / kVecUnitRows;
+  auto run = [=](int64_t begin, int64_t end) {
+    alignas(64) float scratch[kVecRows * 32];
+    std::vector<float> widened;  // the current row unit in float32 (bfloat16 rows)
+    int64_t have = -1;           // which row unit `widened` holds
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t g = u % groups, unit = u / groups;
+      const T* panel = wp + g * panel_elems;
+      const int64_t m_begin = unit * kVecUnitRows;
+      const int64_t m_end = std::min(m, m_begin + kVecUnitRows);
+      const float* x;
+      if constexpr (std::is_same_v<T, float>) {
+        x = xp + m_begin * k;
+      } else {
+        if (have != unit) {
+          const int64_t count = (m_end - m_begin) * k;
+          widened.resize(count);
+          float* dst = widened.data();
+          const uint16_t* src = xp + m_begin * k;
+          for (int64_t i = 0; i < count; ++i) {
+            const uint32_t bits = uint32_t{src[i]} << 16;
+            __builtin_memcpy(dst + i, &bits, 4);
+          }
+          have = unit;
+        }
+        x = widened.data();
+      }
+      for (int64_t m0 = m_begin; m0 < m_end; m0 += kVecRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kVecRows, m_end - m0));
+        const float* xr = x + (m0 - m_begin) * k;
+        switch (rows) {
+          case 1: vec_rows_panel<1>(panel, xr, k, scratch); break;
+          case 2: vec_rows_panel<2>(panel, xr, k, scratch); break;
+          case 3: vec_rows_panel<3>(panel, xr, k, scratch); break;
+          default: vec_rows_panel<kVecRows>(panel, xr, k, scratch); break;
+        }
+        out.write(scratch, rows, m0, g);
+      }
+    }
+  };
+  research_native::parallel_for(pool, row_units * groups, 4, run);
+}
+
+// Which kernel serves a call: 0 auto (AMX where the CPU grants it, else the vector kernel),
+// 1 the vector kernel, 2 AMX (an error where there is none).
+constexpr int32_t kAuto = 0, kVector = 1, kAmx = 2;
+
+bool check_output(ffi::DataType type, const char* name, ffi::Error* err) {
+  if (type != ffi::DataType::F32 && type != ffi::DataType::BF16) {
+    *err = ffi::Error::InvalidArgument(std::string(name) +
+                                       ": the output must be float32 or bfloat16");
+    return false;
+  }
+  return true;
+}
+
 ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                    int32_t epilogue, ffi::Result<ffi::AnyBuffer> y) {
+                    int32_t epilogue, int32_t kernel, ffi::Result<ffi::AnyBuffer> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto yd = y->dimensions();
@@ -206,15 +350,43 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
       yd[1] != wd[0] * (swiglu ? 16 : 32) || epilogue < 0 || epilogue > 1) {
     return ffi::Error::InvalidArgument("gemm_bf16: inconsistent shapes");
   }
-  const auto type = y->element_type();
-  if (type != ffi::DataType::F32 && type != ffi::DataType::BF16) {
-    return ffi::Error::InvalidArgument("gemm_bf16: the output must be float32 or bfloat16");
+  ffi::Error err = ffi::Error::Success();
+  if (!check_output(y->element_type(), "gemm_bf16", &err)) return err;
+  if (kernel < kAuto || kernel > kAmx) {
+    return ffi::Error::InvalidArgument("gemm_bf16: kernel must be 0 (auto), 1 or 2");
   }
-  if (!amx_ready()) return ffi::Error::Internal("gemm_bf16: this CPU has no usable AMX-BF16");
+  if (kernel == kAmx && !amx_ready()) {
+    return ffi::Error::Internal("gemm_bf16: this CPU has no usable AMX-BF16");
+  }
   if (xd[0] > 0) {
-    const Output out{y->untyped_data(), type == ffi::DataType::BF16, swiglu, yd[1]};
-    gemm(pool, xd[0], xd[1], wd[0] * 32, reinterpret_cast<const uint16_t*>(x.untyped_data()),
-         reinterpret_cast<const uint16_t*>(w.untyped_data()), out);
+    const Output out{y->untyped_data(), y->element_type() == ffi::DataType::BF16, swiglu, yd[1]};
+    const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
+    const auto* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
+    if (kernel == kAmx || (kernel == kAuto && amx_ready())) {
+      gemm(pool, xd[0], xd[1], wd[0] * 32, xp, wp, out);
+    } else {
+      vec_gemm<uint16_t>(pool, xd[0], xd[1], wd[0] * 32, xp, wp, out);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// x [M, K] float32 @ W packed as [N/32, K, 32] float32 -> y [M, N] (or the swiglu half).
+ffi::Error GemmF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                       int32_t epilogue, ffi::Result<ffi::AnyBuffer> y) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  auto yd = y->dimensions();
+  const bool swiglu = epilogue == 1;
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != 32 || xd[1] != wd[1] ||
+      yd[0] != xd[0] || yd[1] != wd[0] * (swiglu ? 16 : 32) || epilogue < 0 || epilogue > 1) {
+    return ffi::Error::InvalidArgument("gemm_f32: inconsistent shapes");
+  }
+  ffi::Error err = ffi::Error::Success();
+  if (!check_output(y->element_type(), "gemm_f32", &err)) return err;
+  if (xd[0] > 0) {
+    const Output out{y->untyped_data(), y->element_type() == ffi::DataType::BF16, swiglu, yd[1]};
+    vec_gemm<float>(pool, xd[0], xd[1], wd[0] * 32, x.typed_data(), w.typed_data(), out);
   }
   return ffi::Error::Success();
 }
@@ -223,10 +395,34 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
 
 extern "C" int ResearchAmxReady() { return amx_ready() ? 1 : 0; }
 
+// The vector kernel's instruction set in this build (what ``-march`` gave the compiler).
+extern "C" const char* ResearchGemmVectorIsa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
+#elif defined(__ARM_FEATURE_SVE)
+  return "sve";
+#elif defined(__ARM_NEON)
+  return "neon";
+#else
+  return "generic";
+#endif
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmBf16, GemmImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<int32_t>("epilogue")
+                                  .Attr<int32_t>("kernel")
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmF32, GemmF32Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("epilogue")
                                   .Ret<ffi::AnyBuffer>());

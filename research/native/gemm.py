@@ -1,21 +1,29 @@
-"""bfloat16 matrix products on Intel AMX (``gemm.cc``), with weights packed once at load time.
+"""CPU matrix products for a model's projections (``gemm.cc``), weights packed once at load.
 
-Inside a step XLA:CPU's bfloat16 dots (fused with their casts and activations) ran at 0.2-0.5
-TFLOP/s on a core pair whose AMX tile units give this kernel 2-2.5 (``experiments.bench_gemm``
-measures them side by side), so a bf16 step spent most of its time in the projections.
-``pack_params`` rewrites a model's 2-D projection weights into ``PackedWeight`` leaves, each
-holding the weight in AMX's B-tile layout; ``layers.linear`` and ``layers.matmul`` send a
-product with one to the native kernel. Everything else (norms, RoPE, attention, sampling) stays
-in XLA.
+A decode step multiplies a few rows by every weight once, so it is as fast as the weights
+stream from memory; XLA:CPU's dots read them at a fraction of that (bfloat16 at 40% of the read
+roof on an AVX-512 CPU without AMX, ``experiments.bench_gemm``), and its bf16 dots ran at
+0.2-0.5 TFLOP/s where AMX gives 2-2.5. ``pack_params`` rewrites a model's 2-D projection
+weights into ``PackedWeight`` leaves, each 32 output columns one contiguous panel;
+``layers.linear`` and ``layers.matmul`` send a product with one to the native kernels:
 
-Where the library did not build, the CPU has no AMX-BF16, the model is not bfloat16, or a
-weight's shape does not tile (in and out features multiples of 32), weights stay as they are and
-XLA multiplies them.
+- bfloat16: AMX's tile units where the CPU has them and the OS grants the tile state, else the
+  vector kernel, which the compiler builds for whatever this CPU has (AVX2, AVX-512 with
+  AVX512-BF16's ``vdpbf16ps`` where present, ARM NEON/SVE). Both accumulate each output in
+  float32 in the same order (k pair by k pair, the odd product first), so they give the same
+  bits, and a row's result never depends on which other rows share its call;
+- float32: the vector kernel.
+
+``$RESEARCH_GEMM_KERNEL=vector`` makes bfloat16 products skip AMX (what a CPU without it runs).
+Everything else (norms, RoPE, attention, sampling) stays in XLA. Where the library did not
+build, the model is in another dtype, or a weight's shape does not tile (in and out features
+multiples of 32), weights stay as they are and XLA multiplies them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -29,14 +37,17 @@ from research import native
 # layer (norms, biases, sinks, MoE expert stacks, the router) stays as it is.
 PACKED_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 GEMM_BACKENDS = ("auto", "xla", "native")
+DTYPES = (jnp.bfloat16, jnp.float32)  # what the packed path multiplies
+# $RESEARCH_GEMM_KERNEL -> the kernel attribute of the bfloat16 product (``gemm.cc``)
+KERNELS = {"auto": 0, "vector": 1, "amx": 2}
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    """A weight W [K, N] stored as [N/32, K/32, 2, 16, 32] bfloat16 in AMX's B-tile layout,
-    each 32-column panel contiguous: packed[g, kb, t, r, 2c + j] = W[32 kb + 2 r + j,
-    32 g + 16 t + c]."""
+    """A weight W [K, N], each 32-column panel contiguous. bfloat16: [N/32, K/32, 2, 16, 32] in
+    AMX's B-tile layout, packed[g, kb, t, r, 2c + j] = W[32 kb + 2 r + j, 32 g + 16 t + c]
+    (a k pair per 32-bit word); float32: [N/32, K, 32], packed[g, k, c] = W[k, 32 g + c]."""
 
     packed: jax.Array
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
@@ -62,11 +73,17 @@ def tiles(k: int, n: int) -> bool:
 
 
 def pack(w: jax.Array, transposed: bool = False) -> PackedWeight:
-    """W [K, N] (``transposed``: given as [N, K], e.g. a tied embedding) -> PackedWeight."""
-    w = jnp.asarray(w, jnp.bfloat16)
+    """W [K, N] (``transposed``: given as [N, K], e.g. a tied embedding), bfloat16 or float32
+    (other dtypes are packed as bfloat16) -> PackedWeight in that dtype's layout."""
+    w = jnp.asarray(w)
+    if w.dtype != jnp.float32:
+        w = w.astype(jnp.bfloat16)
     k, n = (w.shape[1], w.shape[0]) if transposed else w.shape
     if not tiles(k, n):
         raise ValueError(f"a [{k}, {n}] weight does not tile (in and out % 32 must be 0)")
+    if w.dtype == jnp.float32:  # [g, k, c]
+        wkn = w.T if transposed else w
+        return PackedWeight(wkn.reshape(k, n // 32, 32).transpose(1, 0, 2), (k, n))
     if transposed:  # [g, t, c, kb, r, j] -> [g, kb, t, r, c, j]
         packed = w.reshape(n // 32, 2, 16, k // 32, 16, 2).transpose(0, 3, 1, 4, 2, 5)
     else:  # [kb, r, j, g, t, c] -> [g, kb, t, r, c, j]
@@ -91,34 +108,65 @@ def pack_qkv(wq: jax.Array, wk: jax.Array, wv: jax.Array) -> PackedWeight:
 
 
 def unpack(w: PackedWeight) -> jax.Array:
-    """PackedWeight -> W [K, N] bfloat16 (the inverse of ``pack``; a gate/up pair comes back
-    with its panels' columns interleaved as packed)."""
+    """PackedWeight -> W [K, N] in its dtype (the inverse of ``pack``; a gate/up pair comes
+    back with its panels' columns interleaved as packed)."""
     k, n = w.shape
+    if w.packed.dtype == jnp.float32:
+        return w.packed.transpose(1, 0, 2).reshape(k, n)
     six = w.packed.reshape(n // 32, k // 32, 2, 16, 16, 2)
     return six.transpose(1, 3, 5, 0, 2, 4).reshape(k, n)
 
 
 def available() -> bool:
+    """The library built (its vector kernel serves any CPU it was built on)."""
+    return native.available("gemm")
+
+
+def amx_available() -> bool:
     """The library built and this CPU has AMX-BF16 with the tile state granted."""
-    return native.available("gemm") and bool(native.library("gemm").ResearchAmxReady())
+    return available() and bool(native.library("gemm").ResearchAmxReady())
+
+
+def kernel_name() -> str:
+    """$RESEARCH_GEMM_KERNEL: "auto" (AMX where granted, else the vector kernel), "vector" or
+    "amx"; a clear error for anything else."""
+    name = os.environ.get("RESEARCH_GEMM_KERNEL", "auto")
+    if name not in KERNELS:
+        raise ValueError(f"RESEARCH_GEMM_KERNEL must be one of {sorted(KERNELS)}, got {name!r}")
+    return name
+
+
+def describe(dtype: Any = jnp.bfloat16) -> str:
+    """Which kernel multiplies ``dtype`` here and the instruction set it was built for, e.g.
+    "amx" or "vector (avx512bf16, -march=native)"; why not where the packed path cannot."""
+    why = unavailable_reason(dtype)
+    if why:
+        return f"xla ({why})"
+    isa = native.library("gemm").ResearchGemmVectorIsa
+    isa.restype = __import__("ctypes").c_char_p
+    vector = f"vector ({isa().decode()}, -march={native.built_march('gemm')})"
+    if jnp.dtype(dtype) == jnp.bfloat16 and kernel_name() != "vector" and amx_available():
+        return "amx"
+    return vector
 
 
 def unavailable_reason(dtype: Any) -> str | None:
     """Why the packed path cannot serve a model in ``dtype`` here (None: it can)."""
-    if jnp.dtype(dtype) != jnp.bfloat16:
-        return f"{jnp.dtype(dtype).name} weights (the AMX kernel multiplies bfloat16)"
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES]:
+        return f"{jnp.dtype(dtype).name} weights (the kernels multiply bfloat16 and float32)"
     if jax.default_backend() != "cpu":
-        return f"the {jax.default_backend()} backend (the kernel is for CPU)"
+        return f"the {jax.default_backend()} backend (the kernels are for CPU)"
     if not native.available("gemm"):
         return f"the native gemm library did not build: {native.build_error('gemm')}"
-    if not available():
-        return "this CPU has no AMX-BF16 (or the OS did not grant the tile state)"
+    if kernel_name() == "amx" and jnp.dtype(dtype) == jnp.bfloat16 and not amx_available():
+        return "RESEARCH_GEMM_KERNEL=amx, and this CPU has no AMX-BF16 (or no tile state)"
     return None
 
 
 def resolve(backend: str, dtype: Any, sharded: bool = False) -> str:
-    """``"auto"``: "native" where the packed path serves (bfloat16 on an AMX CPU, one device),
-    else "xla". An explicit "native" that cannot serve is an error naming why."""
+    """``"auto"``: "native" where the packed path serves (bfloat16 or float32 on a CPU where the
+    library built, one device), else "xla". An explicit "native" that cannot serve is an error
+    naming why."""
     if backend not in GEMM_BACKENDS:
         raise ValueError(f"gemm_backend must be one of {GEMM_BACKENDS}, got {backend!r}")
     why = "tensor/expert parallel plans" if sharded else unavailable_reason(dtype)
@@ -130,14 +178,14 @@ def resolve(backend: str, dtype: Any, sharded: bool = False) -> str:
 
 
 def pack_params(params: dict, tie_word_embeddings: bool) -> dict:
-    """A model's params with its bfloat16 projections packed: q, k and v as one ``wqkv``, a
+    """A model's params with its bfloat16 or float32 projections packed: q, k and v as one ``wqkv``, a
     dense MLP's gate and up as one ``w_gate_up`` (silu(gate) * up in the kernel's epilogue),
     the others one by one; weights that do not tile stay. A tied embedding gains a packed
     ``lm_head`` beside it (the lookup keeps reading ``embed``)."""
 
     def fits(*ws: Any, transposed: bool = False) -> bool:
         for w in ws:
-            if not isinstance(w, jax.Array) or w.ndim != 2 or w.dtype != jnp.bfloat16:
+            if not isinstance(w, jax.Array) or w.ndim != 2 or w.dtype not in DTYPES:
                 return False
             k, n = (w.shape[1], w.shape[0]) if transposed else w.shape
             if not tiles(k, n):
@@ -171,15 +219,21 @@ def pack_params(params: dict, tie_word_embeddings: bool) -> dict:
 
 def matmul(x: jax.Array, w: PackedWeight, out_dtype: Any = jnp.float32) -> jax.Array:
     """x [..., K] @ W [K, N] -> [..., N] in ``out_dtype`` (float32 or bfloat16; accumulated in
-    float32) through the AMX kernel; a gate/up pair gives silu(gate) * up [..., N / 2]."""
+    float32) through the native kernels, x cast to W's dtype; a gate/up pair gives
+    silu(gate) * up [..., N / 2]."""
     if not native.available("gemm"):  # builds and registers the library on first use
         raise RuntimeError(f"native gemm unavailable: {native.build_error('gemm')}")
     k = w.shape[0]
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features; the packed weight takes {k}")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k).astype(jnp.bfloat16)
+    x2 = x.reshape(-1, k).astype(w.packed.dtype)
     out = jax.ShapeDtypeStruct((x2.shape[0], w.out_features), jnp.dtype(out_dtype))
-    call = jax.ffi.ffi_call(native._GEMM_TARGET, out)
     epilogue = np.int32(1 if w.epilogue == "swiglu" else 0)
-    return call(x2, w.packed, epilogue=epilogue).reshape(*lead, w.out_features)
+    if w.packed.dtype == jnp.float32:
+        y = jax.ffi.ffi_call(native._GEMM_F32_TARGET, out)(x2, w.packed, epilogue=epilogue)
+    else:
+        kernel = np.int32(KERNELS[kernel_name()])
+        call = jax.ffi.ffi_call(native._GEMM_TARGET, out)
+        y = call(x2, w.packed, epilogue=epilogue, kernel=kernel)
+    return y.reshape(*lead, w.out_features)
