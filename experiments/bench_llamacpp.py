@@ -1,16 +1,24 @@
 """Batched decoding of the bundled SmolLM2-135M GGUF on this CPU: our engine against llama.cpp's
-``llama-batched-bench``, side by side in one run.
+``llama-batched-bench``, side by side in one run, on the same weights.
 
-    python -m experiments.bench_llamacpp [--npl 1 32 64] [--npp 128] [--ntg 128]
-        [--dtype bfloat16 float32] [--threads N] [--binary PATH | --build DIR] [--json PATH]
+    python -m experiments.bench_llamacpp [--npl 1 8 32 64] [--npp 128] [--ntg 128]
+        [--dtype bfloat16 float32] [--q4] [--gemm auto|vector|amx|xla] [--threads N]
+        [--binary PATH | --build DIR] [--json PATH]
 
 Both engines run llama-batched-bench's workload: ``B`` sequences of ``npp`` random prompt tokens
 prefilled together, then ``ntg`` decode steps of ``B`` tokens each. ``S_PP`` is ``B * npp``
 over the prefill time, ``S_TG`` ``B * ntg`` over the decode time (the table llama.cpp prints).
-llama.cpp runs the GGUF as shipped (Q4_1 weights, its own CPU kernels, ``--threads``); ours
-dequantizes it to ``--dtype`` and runs every prefill in one step (``max_num_batched_tokens =
-B * npp``) so its ``ntg`` decode steps are as static as llama.cpp's, greedy, ``ignore_eos``,
-after an untimed pass that compiles every step shape (the timed pass must trace nothing).
+
+Same weights per dtype: for each ``--dtype`` llama.cpp runs the GGUF requantized to F32 or BF16
+by its own ``llama-quantize --allow-requantize`` (the Q4_1 values widened, as ours widens them
+at load), and ours runs that dtype; each of our rows' ratio is against llama.cpp's row of the
+same dtype. ``--q4`` adds the GGUF as shipped (Q4_1 layers, a Q8_0 embedding): llama.cpp's row,
+against which ours are a comparison of weight formats, not of engines (labelled so). ``--gemm``
+picks our projections' kernel: ``auto`` (AMX where the CPU has it, else the vector kernel),
+``vector`` (what a CPU without AMX runs), ``amx``, or ``xla`` (XLA's dots). Ours runs every
+prefill in one step (``max_num_batched_tokens = B * npp``) so its ``ntg`` decode steps are as
+static as llama.cpp's, greedy, ``ignore_eos``, after an untimed pass that compiles every step
+shape (the timed pass must trace nothing).
 
 llama.cpp is not a dependency: ``--binary`` (or ``$LLAMA_BATCHED_BENCH``, or the one on
 ``PATH``) names a built ``llama-batched-bench``; ``--build DIR`` builds one into ``DIR`` from the
@@ -46,6 +54,36 @@ def gguf_path() -> Path:
     from research.models.weights import smollm2_gguf_path
 
     return smollm2_gguf_path()
+
+
+def find_quantize(binary: Path) -> Path:
+    """``llama-quantize`` beside ``binary`` (a ``--build`` builds both), else on ``PATH``."""
+    for c in (binary.parent / QUANTIZE, shutil.which(QUANTIZE)):
+        if c and Path(c).is_file() and os.access(c, os.X_OK):
+            return Path(c)
+    raise FileNotFoundError(
+        f"no {QUANTIZE} beside {binary} or on PATH: pass --build DIR to build both"
+    )
+
+
+# our dtype -> llama-quantize's type name
+GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16"}
+
+
+def requantize(quantize: Path, gguf: Path, dtype: str, out_dir: Path) -> Path:
+    """``gguf`` with every tensor widened to ``dtype`` by llama.cpp's own ``llama-quantize``
+    (kept in ``out_dir`` and reused)."""
+    ftype = GGUF_TYPES[dtype]
+    out = out_dir / f"{gguf.stem}-{ftype}.gguf"
+    if not out.is_file():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        cmd = [str(quantize), "--allow-requantize", str(gguf), str(tmp), ftype]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
+        os.replace(tmp, out)
+    return out
 
 
 def find_binary(binary: str | None = None) -> Path:
@@ -217,21 +255,27 @@ def run_ours(
     ntg: int,
     seed: int = 0,
     peaks: dict[str, float] | None = None,
+    gemm: str = "auto",
 ) -> list[dict[str, Any]]:
     """Our engine on llama-batched-bench's workload: per batch size ``B``, ``B`` random prompts
     of ``npp`` tokens prefilled in one step, then ``ntg`` decode steps (``ntg + 1`` tokens: the
     first comes from the prefill). An untimed pass compiles; the timed one must trace nothing.
-    ``peaks`` (``host_peaks()``): each row gets its ``decode_roofline`` fractions."""
+    ``peaks`` (``host_peaks()``): each row gets its ``decode_roofline`` fractions. ``gemm``:
+    "xla" (XLA's dots), else the native kernels' ``$RESEARCH_GEMM_KERNEL`` ("auto", "vector",
+    "amx")."""
     import jax
     import numpy as np
 
     from research import LLM, SamplingParams
     from research.engine import step
 
+    if gemm != "xla":
+        os.environ["RESEARCH_GEMM_KERNEL"] = gemm
     largest = max(npl)
     llm = LLM(
         model,
         dtype=dtype,
+        gemm_backend="xla" if gemm == "xla" else "auto",
         max_model_len=npp + ntg + 1,
         max_num_seqs=largest,
         max_num_batched_tokens=largest * npp,
@@ -273,11 +317,13 @@ def run_ours(
     return rows
 
 
-def table(results: dict[str, list[dict[str, Any]]], reference: str | None) -> str:
-    """One line per batch size: each engine's S_PP and S_TG, its decode gain over B=1,
-    against ``reference`` the ratio of S_TG and, where measured, the decode step's roofline
-    fraction in brackets (the larger of ``read_frac`` and ``flop_frac``)."""
+def table(results: dict[str, list[dict[str, Any]]], reference: str | dict[str, str] | None) -> str:
+    """One line per batch size: each engine's S_PP and S_TG, its decode gain over B=1, the ratio
+    of its S_TG to its reference's (``reference``: one name for every column, or a column ->
+    reference mapping) and, where measured, the decode step's roofline fraction in brackets
+    (the larger of ``read_frac`` and ``flop_frac``)."""
     names = list(results)
+    refs = reference if isinstance(reference, dict) else {n: reference for n in names}
     head = f"{'B':>4} | " + " | ".join(f"{n:>35}" for n in names)
     lines = [
         head,
@@ -293,7 +339,7 @@ def table(results: dict[str, list[dict[str, Any]]], reference: str | None) -> st
                 continue
             one = by_b[n].get(1)
             gain = f"{r['speed_tg'] / one['speed_tg']:5.1f}x" if one else "     -"
-            ref = by_b.get(reference, {}).get(b) if reference else None
+            ref = by_b.get(refs.get(n) or "", {}).get(b)
             ratio = f"{r['speed_tg'] / ref['speed_tg']:5.2f}x" if ref else "     -"
             fracs = [r[k] for k in ("read_frac", "flop_frac") if k in r]
             roof = f" [{max(fracs):.2f}]" if fracs else ""
@@ -304,11 +350,16 @@ def table(results: dict[str, list[dict[str, Any]]], reference: str | None) -> st
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--npl", type=int, nargs="+", default=[1, 32, 64])
+    parser.add_argument("--npl", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--npp", type=int, default=128)
     parser.add_argument("--ntg", type=int, default=128)
-    parser.add_argument("--dtype", nargs="+", default=["bfloat16"],
-                        choices=("bfloat16", "float32"))  # fmt: skip
+    parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"],
+                        choices=tuple(GGUF_TYPES))  # fmt: skip
+    parser.add_argument("--q4", action="store_true",
+                        help="add llama.cpp on the GGUF as shipped (Q4_1: a comparison of "
+                        "formats)")  # fmt: skip
+    parser.add_argument("--gemm", default="auto", choices=("auto", "vector", "amx", "xla"),
+                        help="our projections' kernel")  # fmt: skip
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--binary", help=f"a built {BINARY}")
     parser.add_argument("--build", metavar="DIR", help=f"build {BINARY} here (once) and use it")
@@ -318,33 +369,48 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from research.models.presets import get_preset
+    from research.native import gemm
     from research.perf.host_peaks import host_peaks
 
     binary = build(args.build) if args.build else find_binary(args.binary)
+    quantize = find_quantize(binary)
     gguf = gguf_path()
+    weights_dir = Path(args.build) if args.build else Path.home() / ".cache" / "research-llamacpp"
     peaks = host_peaks()  # the roofline: this machine's measured read and GEMM peaks, cached
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     results: dict[str, list[dict[str, Any]]] = {}
+    references: dict[str, str] = {}
     extra = shlex.split(args.llama_args)
-    rows, info = run_llamacpp(binary, gguf, args.npl, args.npp, args.ntg, args.threads, extra)
     flags = f" {' '.join(extra)}" if extra else ""
-    if args.build:
-        info = f"{info or 'llama.cpp'} ({LLAMA_CPP_PYTHON})"
-    # llama.cpp's KV cache is float16 (2 bytes per element)
-    kv = get_preset("smollm2-135m").kv_bytes_per_token(2)
-    decode_roofline(rows, gguf_weight_bytes(gguf), kv, peaks["bandwidth"])
-    results[f"{info or 'llama.cpp'} Q4_1{flags}"] = rows
+    kv = get_preset("smollm2-135m").kv_bytes_per_token(2)  # llama.cpp's KV cache is float16
+
+    def llamacpp(path: Path, label: str) -> str:
+        rows, info = run_llamacpp(binary, path, args.npl, args.npp, args.ntg, args.threads, extra)
+        if args.build:
+            info = f"{info or 'llama.cpp'} ({LLAMA_CPP_PYTHON})"
+        decode_roofline(rows, gguf_weight_bytes(path), kv, peaks["bandwidth"])
+        name = f"{info or 'llama.cpp'} {label}{flags}"
+        results[name] = rows
+        return name
+
+    if args.q4:
+        llamacpp(gguf, "Q4_1 (formats)")
     for dtype in args.dtype:
-        results[f"ours {dtype}"] = run_ours(
-            "smollm2-135m", dtype, args.npl, args.npp, args.ntg, peaks=peaks
+        ref = llamacpp(requantize(quantize, gguf, dtype, weights_dir), GGUF_TYPES[dtype])
+        ours = f"ours {dtype} ({args.gemm})"
+        results[ours] = run_ours(
+            "smollm2-135m", dtype, args.npl, args.npp, args.ntg, peaks=peaks, gemm=args.gemm
         )
-    reference = next(iter(results))
+        references[ours] = ref
+        if args.gemm != "xla":
+            print(f"ours {dtype}: projections through {gemm.describe(dtype)}")
     print(
-        f"SmolLM2-135M ({gguf.name}), {args.npp} prompt + {args.ntg} generated tokens per "
-        f"sequence, {args.threads} threads for llama.cpp, {len(os.sched_getaffinity(0))} cores "
-        f"for ours, one run from {started}; gain: S_TG over B=1, ratio: S_TG over {reference}"
+        f"SmolLM2-135M ({gguf.name}; F32 and BF16 requantized from it by {QUANTIZE}), "
+        f"{args.npp} prompt + {args.ntg} generated tokens per sequence, {args.threads} threads "
+        f"for llama.cpp, {len(os.sched_getaffinity(0))} cores for ours, one run from {started}; "
+        "gain: S_TG over B=1, ratio: ours' S_TG over llama.cpp's on the same dtype"
     )
-    print(table(results, reference))
+    print(table(results, references))
     print(
         f"roof: the decode step's fraction of this machine's roofline ({peaks['bandwidth'] / 1e9:.1f}"
         f" GB/s reads, {peaks['bf16_flops'] / 1e9:.0f} GFLOP/s bf16 and {peaks['flops'] / 1e9:.0f}"

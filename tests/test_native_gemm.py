@@ -1,18 +1,64 @@
-"""The AMX bfloat16 matrix product (``research.native.gemm``): packing, products against a
-float64 reference on the same bf16 values, batch invariance, and the engine through it."""
+"""The native CPU matrix products (``research.native.gemm``): packing, the vector kernel against an
+exact emulation of its float32 arithmetic (any CPU, no AMX needed), AMX against a float64
+reference where the CPU has it, batch invariance, the engine through them, and the build that
+refuses instruction sets the CPU lacks."""
 
 from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from research import native
 from research.native import gemm
 
-amx = pytest.mark.skipif(
-    not gemm.available(), reason=f"AMX kernel unavailable: {gemm.unavailable_reason('bfloat16')}"
+built = pytest.mark.skipif(
+    not gemm.available(), reason=f"native gemm unavailable: {native.build_error('gemm')}"
 )
+amx = pytest.mark.skipif(
+    not gemm.amx_available(), reason=f"AMX kernel unavailable here: {gemm.describe()}"
+)
+x86 = pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64"), reason="x86 -march names"
+)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def product(x, w, kernel="auto", out_dtype=jnp.float32, monkeypatch=None):
+    """x @ packed w through ``kernel`` ($RESEARCH_GEMM_KERNEL is read when the call is traced,
+    so every call traces its own function)."""
+    old = os.environ.get("RESEARCH_GEMM_KERNEL")
+    os.environ["RESEARCH_GEMM_KERNEL"] = kernel
+    try:
+        return np.asarray(jax.jit(lambda a, b: gemm.matmul(a, b, out_dtype))(x, w))
+    finally:
+        if old is None:
+            del os.environ["RESEARCH_GEMM_KERNEL"]
+        else:
+            os.environ["RESEARCH_GEMM_KERNEL"] = old
+
+
+def vector_reference(x, w):
+    """The vector kernel's bfloat16 arithmetic, exactly: per output, a float32 sum of the even-k
+    products and one of the odd-k products, each in k order (a product of two bf16 values is
+    exact in float32, so each fused multiply-add rounds once, as here), then even + odd."""
+    x32 = np.asarray(x, np.float32)
+    w32 = np.asarray(jnp.asarray(w, jnp.bfloat16), np.float32)
+    even = np.zeros((x32.shape[0], w32.shape[1]), np.float32)
+    odd = np.zeros_like(even)
+    for k in range(0, x32.shape[1], 2):
+        even = even + np.outer(x32[:, k], w32[k]).astype(np.float32)
+        odd = odd + np.outer(x32[:, k + 1], w32[k + 1]).astype(np.float32)
+    return even + odd
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -25,66 +71,170 @@ def test_pack_round_trips_and_rejects_shapes_that_do_not_tile(transposed):
         gemm.pack(w[:, :48])
 
 
-@amx
-@pytest.mark.parametrize("m", [1, 2, 15, 16, 17, 31, 32, 33, 64, 130, 300])
-def test_products_match_a_float64_reference(m):
-    """Row counts across the kernel's 16-row tails, 32-row pairs and 128-row units."""
+@built
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 17, 64, 65, 130])
+def test_vector_kernel_is_its_exact_float32_arithmetic(m):
+    """Row counts across the kernel's row blocks (4 or 2), tails and 64-row units; every
+    output bit equals the emulation's, on whatever instruction set this build targets."""
     rng = np.random.default_rng(m)
     k, n = 96, 160
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
-    y = np.asarray(jax.jit(gemm.matmul)(x, gemm.pack(w)))
+    y = product(x, gemm.pack(w), "vector")
+    assert y.dtype == np.float32 and y.shape == (m, n)
+    np.testing.assert_array_equal(y, vector_reference(x, w))
+
+
+@built
+@pytest.mark.parametrize("m", [1, 3, 6, 70])
+def test_float32_weights_match_a_float64_reference(m):
+    """float32 panels [K, 32]: fused multiply-adds in k order (even and odd k apart), so within
+    a few float32 roundings of the float64 product, and exact on integer-valued operands."""
+    rng = np.random.default_rng(m)
+    k, n = 128, 96
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+    packed = gemm.pack(w)
+    assert packed.packed.dtype == jnp.float32 and packed.packed.shape == (3, 128, 32)
+    np.testing.assert_array_equal(np.asarray(gemm.unpack(packed)), np.asarray(w))
+    y = product(x, packed)
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    bound = 4 * np.finfo(np.float32).eps * (np.abs(np.asarray(x)) @ np.abs(np.asarray(w)))
+    assert (np.abs(y - ref) <= bound).all()
+    xi = jnp.asarray(rng.integers(-8, 8, (m, k)), jnp.float32)
+    wi = jnp.asarray(rng.integers(-8, 8, (k, n)), jnp.float32)
+    np.testing.assert_array_equal(product(xi, gemm.pack(wi)), np.asarray(xi) @ np.asarray(wi))
+
+
+@amx
+@pytest.mark.parametrize("m", [1, 2, 15, 16, 17, 31, 32, 33, 64, 130, 300])
+def test_amx_products_match_a_float64_reference(m):
+    """Row counts across the AMX kernel's 16-row tails, 32-row pairs and 128-row units."""
+    rng = np.random.default_rng(m)
+    k, n = 96, 160
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+    y = product(x, gemm.pack(w), "amx")
     ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     assert y.dtype == np.float32 and y.shape == (m, n)
     np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
 
 
-@amx
+@built
+@pytest.mark.parametrize("kernel", ["vector", pytest.param("amx", marks=amx)])
 @pytest.mark.parametrize("m", [1, 17, 40])
-def test_bfloat16_output_and_the_swiglu_epilogue(m):
+def test_bfloat16_output_and_the_swiglu_epilogue(m, kernel):
     """bfloat16 output is the float32 product rounded to nearest even; a gate/up pair gives
     silu(x W_gate) * (x W_up) in one product; q/k/v packed together give their concatenation."""
     rng = np.random.default_rng(m)
     x = jnp.asarray(rng.standard_normal((m, 64)), jnp.bfloat16)
     wg, wu = (jnp.asarray(rng.standard_normal((64, 64)) * 0.2, jnp.bfloat16) for _ in range(2))
-    f32 = np.asarray(jax.jit(gemm.matmul)(x, gemm.pack(wg)))
-    bf16 = jax.jit(lambda x, w: gemm.matmul(x, w, jnp.bfloat16))(x, gemm.pack(wg))
+    f32 = product(x, gemm.pack(wg), kernel)
+    bf16 = product(x, gemm.pack(wg), kernel, jnp.bfloat16)
     assert bf16.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(bf16), np.asarray(jnp.asarray(f32, jnp.bfloat16)))
+    np.testing.assert_array_equal(bf16, np.asarray(jnp.asarray(f32, jnp.bfloat16)))
     fused = gemm.pack_gate_up(wg, wu)
     assert fused.out_features == 64
-    h = np.asarray(jax.jit(gemm.matmul)(x, fused))
+    h = product(x, fused, kernel)
     gate, up = (np.asarray(x, np.float64) @ np.asarray(w, np.float64) for w in (wg, wu))
     ref = gate / (1 + np.exp(-gate)) * up
     np.testing.assert_allclose(h, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     wk = jnp.asarray(rng.standard_normal((64, 32)), jnp.bfloat16)
-    qkv = np.asarray(jax.jit(gemm.matmul)(x, gemm.pack_qkv(wg, wk, wu)))
+    qkv = product(x, gemm.pack_qkv(wg, wk, wu), kernel)
     np.testing.assert_array_equal(qkv[:, :64], f32)
 
 
-@amx
-def test_a_rows_product_does_not_depend_on_its_batch():
+@built
+@pytest.mark.parametrize("kernel", ["vector", pytest.param("amx", marks=amx)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_a_rows_product_does_not_depend_on_its_batch(kernel, dtype):
     """Each output is one dot product in a fixed order: a row gives the same bits alone, at
     another offset, or among 200 others (the engine's batch invariance rests on it)."""
     rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.standard_normal((200, 576)), jnp.bfloat16)
-    w = gemm.pack(jnp.asarray(rng.standard_normal((576, 192)), jnp.bfloat16))
-    f = jax.jit(gemm.matmul)
-    full = np.asarray(f(x, w))
+    x = jnp.asarray(rng.standard_normal((200, 576)), dtype)
+    w = gemm.pack(jnp.asarray(rng.standard_normal((576, 192)), dtype))
+    full = product(x, w, kernel)
     for rows in (slice(7, 8), slice(0, 33), slice(150, 200)):
-        np.testing.assert_array_equal(np.asarray(f(x[rows], w)), full[rows])
+        np.testing.assert_array_equal(product(x[rows], w, kernel), full[rows])
 
 
-def test_resolve_picks_xla_where_the_kernel_cannot_serve():
-    assert gemm.resolve("auto", jnp.float32) == "xla"
+def test_resolve_picks_xla_where_the_kernels_cannot_serve(monkeypatch):
+    assert gemm.resolve("auto", jnp.float16) == "xla"
     assert gemm.resolve("xla", jnp.bfloat16) == "xla"
     assert gemm.resolve("auto", jnp.bfloat16, sharded=True) == "xla"
-    with pytest.raises(ValueError, match=r'gemm_backend="native" cannot serve float32'):
-        gemm.resolve("native", jnp.float32)
+    with pytest.raises(ValueError, match=r'gemm_backend="native" cannot serve float16'):
+        gemm.resolve("native", jnp.float16)
     with pytest.raises(ValueError, match="gemm_backend must be one of"):
         gemm.resolve("amx", jnp.bfloat16)
     if gemm.available():
         assert gemm.resolve("auto", jnp.bfloat16) == "native"
+        assert gemm.resolve("auto", jnp.float32) == "native"
+    monkeypatch.setenv("RESEARCH_GEMM_KERNEL", "tiles")
+    with pytest.raises(ValueError, match="RESEARCH_GEMM_KERNEL must be one of"):
+        gemm.kernel_name()
+
+
+@built
+def test_describe_names_the_kernel_and_its_instruction_set(monkeypatch):
+    monkeypatch.setenv("RESEARCH_GEMM_KERNEL", "vector")
+    assert gemm.describe(jnp.bfloat16).startswith("vector (")
+    assert f"-march={native.march()}" in gemm.describe(jnp.float32)
+    assert gemm.describe(jnp.float16).startswith("xla (float16 weights")
+    monkeypatch.setenv("RESEARCH_GEMM_KERNEL", "auto")
+    assert gemm.describe(jnp.bfloat16) == ("amx" if gemm.amx_available() else gemm.describe(jnp.float32))
+
+
+@x86
+def test_a_build_for_instructions_the_cpu_lacks_falls_back_to_native(monkeypatch, caplog):
+    """-march=x86-64-v4 assumes AVX-512; on a CPU whose flags lack it the library is built for
+    -march=native instead, with a warning naming what was missing (never an illegal
+    instruction at load or call time)."""
+    compiler = native._compiler()[0]
+    avx2_cpu = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}
+    monkeypatch.setattr(native, "_cpu_flags", lambda: avx2_cpu)
+    assert "avx512f" in native.missing_isa(compiler, "x86-64-v4")
+    assert native.missing_isa(compiler, "x86-64-v3") == []
+    monkeypatch.setenv("RESEARCH_NATIVE_MARCH", "x86-64-v4")
+    with caplog.at_level("WARNING", logger="research.native"):
+        assert native.resolve_march(compiler) == "native"
+    assert "RESEARCH_NATIVE_MARCH=x86-64-v4 assumes" in caplog.text and "avx512f" in caplog.text
+    monkeypatch.setenv("RESEARCH_NATIVE_MARCH", "x86-64-v3")
+    assert native.resolve_march(compiler) == "x86-64-v3"
+    monkeypatch.setattr(native, "_cpu_flags", lambda: None)  # flags unknown: trust the request
+    assert native.missing_isa(compiler, "x86-64-v4") == []
+
+
+@x86
+@pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64-v2"])
+def test_avx2_and_sse_builds_give_the_same_bits(tmp_path, arch):
+    """The library built for AVX2 (x86-64-v3) and for SSE only (x86-64-v2, no FMA) in a fresh
+    process: the vector kernel names its instruction set and its bf16 products equal the exact
+    emulation, bit for bit, as the native build's do (the same source on every CPU)."""
+    code = textwrap.dedent(
+        """
+        import json, sys, numpy as np, jax, jax.numpy as jnp
+        from research import native
+        from research.native import gemm
+        rng = np.random.default_rng(5)
+        x = jnp.asarray(rng.standard_normal((7, 96)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((96, 64)), jnp.bfloat16)
+        y = np.asarray(jax.jit(gemm.matmul)(x, gemm.pack(w)))
+        print(json.dumps([native.built_march("gemm"), gemm.describe(), y.tolist()]))
+        """
+    )
+    env = {**os.environ, "RESEARCH_NATIVE_MARCH": arch, "RESEARCH_GEMM_KERNEL": "vector",
+           "JAX_PLATFORMS": "cpu"}  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    built_for, described, y = json.loads(proc.stdout.splitlines()[-1])
+    assert built_for == arch
+    assert described.startswith("vector (avx2" if arch == "x86-64-v3" else "vector (generic")
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((7, 96)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((96, 64)), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), vector_reference(x, w))
 
 
 def test_pack_params_fuses_and_packs_projections_only():
@@ -135,7 +285,7 @@ def test_pack_params_fuses_and_packs_projections_only():
     assert "lm_head" not in gemm.pack_params(params, tie_word_embeddings=False)
 
 
-@amx
+@built
 def test_smollm2_bf16_through_the_kernel_matches_xla():
     """SmolLM2 in bfloat16 with packed weights: logits agree with XLA's bf16 products to bf16
     rounding, and greedy chat answers through the engine are XLA's, token for token."""

@@ -44,8 +44,8 @@ def median_seconds(fn: Any, repeats: int) -> float:
 
 
 def _bf16_gemm_seconds(a: Any, b: Any, repeats: int) -> float:
-    """The faster bfloat16 product of a @ b: XLA's dot (float32 accumulation) or, where the CPU
-    has AMX, the native kernel on the packed weight."""
+    """The faster bfloat16 product of a @ b: XLA's dot (float32 accumulation) or, where the
+    library built, the native kernel on the packed weight (AMX where the CPU has it)."""
     import jax
     import jax.numpy as jnp
 
