@@ -256,13 +256,15 @@ def run_ours(
     seed: int = 0,
     peaks: dict[str, float] | None = None,
     gemm: str = "auto",
+    quantization: str | None = None,
 ) -> list[dict[str, Any]]:
     """Our engine on llama-batched-bench's workload: per batch size ``B``, ``B`` random prompts
     of ``npp`` tokens prefilled in one step, then ``ntg`` decode steps (``ntg + 1`` tokens: the
     first comes from the prefill). An untimed pass compiles; the timed one must trace nothing.
     ``peaks`` (``host_peaks()``): each row gets its ``decode_roofline`` fractions. ``gemm``:
     "xla" (XLA's dots), else the native kernels' ``$RESEARCH_GEMM_KERNEL`` ("auto", "vector",
-    "amx")."""
+    "amx"). ``quantization="gguf"``: the GGUF's Q4_1 / Q8_0 blocks as stored (``dtype`` is
+    then the activations')."""
     import jax
     import numpy as np
 
@@ -276,6 +278,7 @@ def run_ours(
         model,
         dtype=dtype,
         gemm_backend="xla" if gemm == "xla" else "auto",
+        quantization=quantization,
         max_model_len=npp + ntg + 1,
         max_num_seqs=largest,
         max_num_batched_tokens=largest * npp,
@@ -304,14 +307,26 @@ def run_ours(
                  speed_tg=b * ntg / t_tg, steps=llm.engine.num_steps - steps)
         )  # fmt: skip
     if peaks is not None:
-        leaves = jax.tree.leaves(llm.params)
+        from research.native.gemm import BlockWeight, PackedWeight
+
+        # What one decode step reads, as served (packed panels, GGUF blocks): each projection
+        # once, the embedding only by its lookup (one row per token) when a separate head
+        # (or the tied embedding's packed copy) is the output projection.
+        params = llm.engine.executor.params
+        is_weight = lambda x: isinstance(x, (PackedWeight, BlockWeight))  # noqa: E731
+        leaves = jax.tree.leaves(params, is_leaf=is_weight)
+        lookup = params["embed"] if "lm_head" in params else None
+        read = sum(x.packed.nbytes if is_weight(x) else x.nbytes for x in leaves)
+        weights = sum(x.shape[0] * x.shape[1] if is_weight(x) else x.size for x in leaves)
+        if lookup is not None:
+            read, weights = read - lookup.nbytes, weights - lookup.size
         itemsize = np.dtype(llm.dtype).itemsize
         decode_roofline(
             rows,
-            sum(x.nbytes for x in leaves),
+            read,
             llm.model_config.kv_bytes_per_token(itemsize),
             peaks["bandwidth"],
-            2.0 * sum(x.size for x in leaves),
+            2.0 * weights,
             peaks["bf16_flops" if itemsize == 2 else "flops"],
         )
     return rows
@@ -393,8 +408,14 @@ def main(argv: list[str] | None = None) -> None:
         results[name] = rows
         return name
 
-    if args.q4:
-        llamacpp(gguf, "Q4_1 (formats)")
+    if args.q4:  # the same Q4_1 / Q8_0 blocks on both sides
+        ref = llamacpp(gguf, "Q4_1")
+        ours = "ours Q4_1 (gguf blocks, bf16 activations)"
+        results[ours] = run_ours(
+            "smollm2-135m", "bfloat16", args.npl, args.npp, args.ntg, peaks=peaks,
+            quantization="gguf",
+        )  # fmt: skip
+        references[ours] = ref
     for dtype in args.dtype:
         ref = llamacpp(requantize(quantize, gguf, dtype, weights_dir), GGUF_TYPES[dtype])
         ours = f"ours {dtype} ({args.gemm})"

@@ -65,7 +65,9 @@ class LLM:
                 config.model, self.dtype, config.seed
             )
             stored = stored_quantization(self.params)
-            if stored is None:
+            if config.quantization == "gguf":
+                self.params = self._gguf_blocks(config)
+            elif stored is None:
                 self.params = quantize_params(self.params, config.quantization)
             elif config.quantization not in (None, stored):
                 raise ValueError(
@@ -104,6 +106,23 @@ class LLM:
         if plan is not None:
             self.params = self.engine.executor.params  # placed on the mesh; no second copy
         logger.info(kv_cache_summary(self.engine.block_manager, self.max_model_len))
+
+    def _gguf_blocks(self, config: EngineConfig) -> Any:
+        """quantization="gguf": the GGUF's Q4_1 / Q8_0 linear weights kept as stored and read by
+        the native kernel (``research.native.gemm.BlockWeight``); a clear error where that
+        kernel cannot run here."""
+        from research.models.load import gguf_file
+        from research.models.weights import gguf_block_params
+        from research.native import gemm
+
+        if config.gemm_backend == "xla":
+            raise ValueError('quantization="gguf" runs through the native kernels; '
+                             'gemm_backend="xla" dequantizes instead (leave quantization unset)')
+        if gemm.unavailable_reason(self.dtype) is not None:
+            raise ValueError(
+                f'quantization="gguf" needs the native gemm kernels: {gemm.describe(self.dtype)}'
+            )
+        return gguf_block_params(gguf_file(config.model), self.params, self.model_config)
 
     def _simulated(self, config: EngineConfig) -> tuple[Any, EngineConfig]:
         """A cost model of ``config.hardware`` prices each step; no weights are loaded or

@@ -172,11 +172,23 @@ class EngineArgs:
             "enable_expert_parallel",
         ):
             check_bool(name, getattr(self, name))
-        allowed = QUANTIZATIONS
+        allowed = (*QUANTIZATIONS, "gguf")  # "gguf": a GGUF's blocks kept as stored
         if executor == "simulated":  # llama.cpp's files are priced as stored, not run
             from research.perf.cost_model import GGUF_FORMATS
 
             allowed = (*QUANTIZATIONS, *GGUF_FORMATS)
+        if self.quantization == "gguf":
+            from research.models.load import gguf_file
+
+            if executor == "simulated" or gguf_file(model) is None:
+                raise ValueError(
+                    'quantization="gguf" keeps a GGUF file\'s Q4_1 and Q8_0 blocks as stored for '
+                    f"the real engine; {model!r} is not a .gguf file or a bundled GGUF preset"
+                    + (' (the simulator prices GGUF formats as "q8_0" / "gguf_mxfp4")'
+                       if executor == "simulated" else "")
+                )
+            if self.tensor_parallel_size > 1 or self.enable_expert_parallel:
+                raise ValueError('quantization="gguf" runs on one device (no TP/EP plans)')
         if self.quantization not in allowed:
             raise ValueError(f"quantization must be one of {allowed}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_DTYPES:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from research.config import ModelConfig, RopeScaling
-from research.native.gemm import PackedWeight
+from research.native.gemm import BlockWeight, PackedWeight, block_matmul
 from research.native.gemm import matmul as packed_matmul
 from research.quant import QTensor, dequantize
 
@@ -117,8 +117,10 @@ def matmul(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
     float32 result: on XLA:CPU that is the fast path (AMX / AVX512-BF16 where the CPU has them;
     a bf16-output dot measured 2-3x slower at 4-64 rows), and a single row is padded to two,
     because the bf16 matrix-vector path is ~20x slower than the two-row matrix product."""
-    if isinstance(w, PackedWeight):  # bf16 through the AMX kernel (``research.native.gemm``)
+    if isinstance(w, PackedWeight):  # through the native kernels (``research.native.gemm``)
         return packed_matmul(x, w)
+    if isinstance(w, BlockWeight):  # GGUF's blocks as stored, through the native kernel
+        return block_matmul(x, w)
     contract = 1 if transposed else 0
     if x.dtype == jnp.float32 and w.dtype == jnp.float32:
         return jax.lax.dot_general(x, w, (((x.ndim - 1,), (contract,)), ((), ())))
@@ -137,8 +139,10 @@ def linear(x: jax.Array, w: jax.Array | QTensor, backend: str = "xla") -> jax.Ar
     """x [..., I] @ w [I, O] in x's dtype (accumulated in float32, see ``matmul``). A quantized
     weight is dequantized by XLA inside the step (``"xla"``) or tile by tile inside the Pallas
     quantized-matmul kernel (``"pallas*"``)."""
-    if isinstance(w, PackedWeight):  # the AMX kernel writes x's dtype itself
+    if isinstance(w, PackedWeight):  # the native kernels write x's dtype themselves
         return packed_matmul(x, w, out_dtype=x.dtype)
+    if isinstance(w, BlockWeight):
+        return block_matmul(x, w, out_dtype=x.dtype)
     if not isinstance(w, QTensor):
         return matmul(x, w).astype(x.dtype)
     if not backend.startswith("pallas"):  # "xla", or "native" (attention only)

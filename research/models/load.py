@@ -26,6 +26,15 @@ from research.tokenizer import Tokenizer
 _BUNDLED_GGUF = {"smollm2-135m": smollm2_gguf_path}
 
 
+def gguf_file(model: str | os.PathLike) -> Path | None:
+    """The GGUF file ``model`` loads from (a bundled preset's or a .gguf path), else None."""
+    name = str(model)
+    if name in _BUNDLED_GGUF:
+        return _BUNDLED_GGUF[name]()
+    path = Path(name)
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
 def auto_dtype(model: str | os.PathLike) -> str:
     """vLLM's ``dtype="auto"`` on this CPU backend: the checkpoint's dtype, with float32 and
     float16 checkpoints served in bfloat16 (vLLM maps float32 models to a 16-bit type, and

@@ -10,6 +10,7 @@ import contextlib
 import glob
 import importlib.util
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -26,6 +27,8 @@ from research.models.gpt_oss import config_from_hf_gpt_oss, read_gpt_oss_layer
 from research.models.transformer import Params, param_shapes
 from research.quant.hf import checkpoint_quantization, read_linear, stack_experts
 from research.quant.qtensor import QTensor
+
+logger = logging.getLogger(__name__)
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -205,6 +208,73 @@ def load_gguf(
     if not cfg.tie_word_embeddings:
         tree["lm_head"] = tensors["output.weight"].T
     return cfg, _to_params(tree, cfg, dtype)
+
+
+def gguf_block_params(path: str | os.PathLike, params: Params, cfg: ModelConfig) -> Params:
+    """``params`` (loaded from ``path`` by ``load_gguf``) with the GGUF's Q4_1 and Q8_0 linear
+    weights kept as stored (``research.native.gemm.BlockWeight``, read by the native kernel) in
+    place of their dequantized copies: q, k and v as one ``wqkv`` and a dense MLP's gate and
+    up as one ``w_gate_up`` where they share a format; the output projection (the tied
+    embedding's blocks where the model ties it) as ``lm_head``. The embedding lookup, norms and
+    tensors in other formats (F32, F16, K-quants, expert stacks) keep their dequantized
+    values. Returns the new params; the number of weights kept as blocks is logged."""
+    import gguf
+
+    from research.native.gemm import BLOCK_FORMATS, gate_up_rows, pack_blocks
+
+    reader = gguf.GGUFReader(str(path))
+    raw = {t.name: t for t in reader.tensors}
+    permute_qk = cfg.architecture == "llama"
+
+    def rows(name: str) -> tuple[np.ndarray, str] | None:
+        t = raw.get(name)
+        fmt = t.tensor_type.name.lower() if t is not None else None
+        if fmt not in BLOCK_FORMATS or len(t.shape) != 2:
+            return None
+        data = np.asarray(t.data)
+        return (data, fmt) if data.shape[0] % 32 == 0 else None
+
+    def fused(parts: list[tuple[np.ndarray, str] | None]) -> str | None:
+        fmts = {p[1] for p in parts if p is not None}
+        return fmts.pop() if None not in parts and len(fmts) == 1 else None
+
+    kept = 0
+    layers = []
+    for i, lp in enumerate(params["layers"]):
+        out = dict(lp)
+        q, k, v = (rows(f"blk.{i}.attn_{n}.weight") for n in "qkv")
+        if fused([q, k, v]):
+            wq, wk = q[0], k[0]
+            if permute_qk:
+                wq = _unpermute_rope_rows(wq, cfg.num_heads)
+                wk = _unpermute_rope_rows(wk, cfg.num_kv_heads)
+            out["wqkv"] = pack_blocks(np.concatenate([wq, wk, v[0]]), q[1])
+            for key in ("wq", "wk", "wv"):
+                del out[key]
+            kept += 3
+        o = rows(f"blk.{i}.attn_output.weight")
+        if o is not None:
+            out["wo"] = pack_blocks(*o)
+            kept += 1
+        if not cfg.is_moe:
+            gate, up = rows(f"blk.{i}.ffn_gate.weight"), rows(f"blk.{i}.ffn_up.weight")
+            if fused([gate, up]):
+                both = gate_up_rows(gate[0], up[0])
+                out["w_gate_up"] = pack_blocks(both, gate[1], epilogue="swiglu")
+                del out["w_gate"], out["w_up"]
+                kept += 2
+            down = rows(f"blk.{i}.ffn_down.weight")
+            if down is not None:
+                out["w_down"] = pack_blocks(*down)
+                kept += 1
+        layers.append(out)
+    new = dict(params, layers=layers)
+    head = rows("token_embd.weight" if cfg.tie_word_embeddings else "output.weight")
+    if head is not None:
+        new["lm_head"] = pack_blocks(*head)
+        kept += 1
+    logger.info("%s: %d linear weights kept as GGUF blocks", Path(path).name, kept)
+    return new
 
 
 # ----------------------------------------------------------------------------- HF safetensors

@@ -52,12 +52,17 @@ FAMILIES: dict[str, tuple[list[Path], dict[str, str]]] = {
     ),
     "gemm": (
         [_HERE / "gemm.cc"],
-        {"research_gemm_bf16": "GemmBf16", "research_gemm_f32": "GemmF32"},
+        {
+            "research_gemm_bf16": "GemmBf16",
+            "research_gemm_f32": "GemmF32",
+            "research_gemm_blocks": "GemmBlocks",
+        },
     ),
 }
 _TARGET = "research_paged_attention"
 _GEMM_TARGET = "research_gemm_bf16"
 _GEMM_F32_TARGET = "research_gemm_f32"
+_GEMM_BLOCKS_TARGET = "research_gemm_blocks"
 _PACKED_TARGET = "research_packed_attention"
 BUILD_TIMEOUT_S = 600.0
 _lock = threading.Lock()

@@ -344,6 +344,168 @@ void vec_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const T* x
   research_native::parallel_for(pool, row_units * groups, 4, run);
 }
 
+// ---- GGUF's 4-bit and 8-bit blocks as stored (Q4_1, Q8_0) ----------------------------------
+//
+// A block is 32 consecutive k of one output column with float16 scales: Q4_1 w = d q + m
+// (q 4-bit unsigned), Q8_0 w = d q (q int8). A panel of 32 columns keeps, per k block, its
+// columns' scales and then their codes, k-major: a product reads 0.625 (Q4_1) or 1.0625 (Q8_0)
+// bytes per weight, as the file stores them, and widens the codes to float32 in registers.
+//   Q4_1 (640 bytes): d[32] f16, m[32] f16, then 16 rows j of 32 bytes, byte c holding column
+//                     c's codes for k = j (low nibble) and k = j + 16 (high nibble), as GGUF
+//                     packs one column's block (so a panel is the blocks' bytes transposed)
+//   Q8_0 (1088 bytes): d[32] f16, then 32 rows k of 32 int8
+// Per column and block: s = sum_k x_k q_k in float32 (two chains: k < 16 and k >= 16 for Q4_1,
+// even and odd k for Q8_0), then y += d s (+ m sum_k x_k for Q4_1): sum_k x_k w_k rearranged,
+// so it differs from a product with the dequantized weights by float32 rounding only.
+
+constexpr int kQ41Bytes = 640, kQ80Bytes = 1088;
+#if defined(__AVX512F__)
+constexpr int kBlockRows = 2;
+#else
+constexpr int kBlockRows = 1;
+#endif
+
+typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
+typedef uint8_t vb __attribute__((vector_size(kLanes)));
+typedef int8_t vsb __attribute__((vector_size(kLanes)));
+typedef _Float16 vh __attribute__((vector_size(kLanes * 2)));
+
+inline vf load_f16(const uint8_t* p) {
+  vh h;
+  __builtin_memcpy(&h, p, sizeof(h));
+  return __builtin_convertvector(h, vf);
+}
+
+// c[i, c0 .. c0 + kPassCols] for rows i < R; x: float32 rows (row i at x + i * ldx); xsum:
+// each row's sum over each k block (row i at xsum + i * kbs; Q4_1 only).
+template <int R, bool kQ41>
+void block_rows(const uint8_t* panel, const float* x, int64_t ldx, const float* xsum,
+                int64_t kbs, int c0, float* c) {
+  constexpr int kBytes = kQ41 ? kQ41Bytes : kQ80Bytes;
+  vf acc[R][kPassVecs] = {};
+  for (int64_t kb = 0; kb < kbs; ++kb) {
+    const uint8_t* blk = panel + kb * kBytes;
+    __builtin_prefetch(blk + kPrefetchBytes);
+    __builtin_prefetch(blk + kPrefetchBytes + 64 * (kBytes / 128));
+    const float* xk = x + kb * 32;
+    vf s0[R][kPassVecs] = {}, s1[R][kPassVecs] = {};
+    if constexpr (kQ41) {
+      const uint8_t* q = blk + 128;
+      for (int j = 0; j < 16; ++j) {
+        vf lo[kPassVecs], hi[kPassVecs];
+        for (int v = 0; v < kPassVecs; ++v) {
+          vb bytes;
+          __builtin_memcpy(&bytes, q + j * 32 + c0 + v * kLanes, sizeof(bytes));
+          const vi w = __builtin_convertvector(bytes, vi);
+          lo[v] = __builtin_convertvector(w & 15, vf);
+          hi[v] = __builtin_convertvector(w >> 4, vf);
+        }
+        for (int i = 0; i < R; ++i) {
+          const float xl = xk[i * ldx + j], xh = xk[i * ldx + j + 16];
+          for (int v = 0; v < kPassVecs; ++v) {
+            s0[i][v] += xl * lo[v];
+            s1[i][v] += xh * hi[v];
+          }
+        }
+      }
+    } else {
+      const uint8_t* q = blk + 64;
+      for (int k = 0; k < 32; k += 2) {
+        vf e[kPassVecs], o[kPassVecs];
+        for (int v = 0; v < kPassVecs; ++v) {
+          vsb be, bo;
+          __builtin_memcpy(&be, q + k * 32 + c0 + v * kLanes, sizeof(be));
+          __builtin_memcpy(&bo, q + (k + 1) * 32 + c0 + v * kLanes, sizeof(bo));
+          e[v] = __builtin_convertvector(__builtin_convertvector(be, vi), vf);
+          o[v] = __builtin_convertvector(__builtin_convertvector(bo, vi), vf);
+        }
+        for (int i = 0; i < R; ++i) {
+          const float xe = xk[i * ldx + k], xo = xk[i * ldx + k + 1];
+          for (int v = 0; v < kPassVecs; ++v) {
+            s0[i][v] += xe * e[v];
+            s1[i][v] += xo * o[v];
+          }
+        }
+      }
+    }
+    for (int v = 0; v < kPassVecs; ++v) {
+      const vf d = load_f16(blk + 2 * (c0 + v * kLanes));
+      for (int i = 0; i < R; ++i) acc[i][v] += d * (s0[i][v] + s1[i][v]);
+      if constexpr (kQ41) {
+        const vf m = load_f16(blk + 64 + 2 * (c0 + v * kLanes));
+        for (int i = 0; i < R; ++i) acc[i][v] += m * xsum[i * kbs + kb];
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int v = 0; v < kPassVecs; ++v) {
+      *reinterpret_cast<vfu*>(c + i * 32 + c0 + v * kLanes) = acc[i][v];
+    }
+  }
+}
+
+template <int R, bool kQ41>
+void block_rows_panel(const uint8_t* panel, const float* x, const float* xsum, int64_t k,
+                      float* c) {
+  for (int c0 = 0; c0 < 32; c0 += kPassCols) {
+    block_rows<R, kQ41>(panel, x, k, xsum, k / 32, c0, c);
+  }
+}
+
+// y = x @ W for a Q4_1 or Q8_0 panel stream w [N/32, K/32, bytes]; x float32 or bfloat16.
+template <bool kQ41>
+void block_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const void* xp,
+                bool x_bf16, const uint8_t* wp, const Output& out) {
+  const int64_t groups = n / 32, kbs = k / 32;
+  const int64_t panel_bytes = kbs * (kQ41 ? kQ41Bytes : kQ80Bytes);
+  const int64_t row_units = (m + kVecUnitRows - 1) / kVecUnitRows;
+  auto run = [=](int64_t begin, int64_t end) {
+    alignas(64) float scratch[kBlockRows * 32];
+    std::vector<float> widened, sums;  // the current row unit in float32, its block sums
+    int64_t have = -1;
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t g = u % groups, unit = u / groups;
+      const int64_t m_begin = unit * kVecUnitRows;
+      const int64_t m_end = std::min(m, m_begin + kVecUnitRows);
+      if (have != unit) {
+        const int64_t count = (m_end - m_begin) * k;
+        widened.resize(count);
+        float* dst = widened.data();
+        if (x_bf16) {
+          const uint16_t* src = static_cast<const uint16_t*>(xp) + m_begin * k;
+          for (int64_t i = 0; i < count; ++i) {
+            const uint32_t bits = uint32_t{src[i]} << 16;
+            __builtin_memcpy(dst + i, &bits, 4);
+          }
+        } else {
+          const float* src = static_cast<const float*>(xp) + m_begin * k;
+          std::copy(src, src + count, dst);
+        }
+        sums.resize((m_end - m_begin) * kbs);
+        for (int64_t b = 0; b < (m_end - m_begin) * kbs; ++b) {
+          float total = 0.0f;  // k order
+          for (int j = 0; j < 32; ++j) total += dst[b * 32 + j];
+          sums[b] = total;
+        }
+        have = unit;
+      }
+      const uint8_t* panel = wp + g * panel_bytes;
+      for (int64_t m0 = m_begin; m0 < m_end; m0 += kBlockRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kBlockRows, m_end - m0));
+        const float* xr = widened.data() + (m0 - m_begin) * k;
+        const float* sr = sums.data() + (m0 - m_begin) * kbs;
+        if (rows == kBlockRows) {
+          block_rows_panel<kBlockRows, kQ41>(panel, xr, sr, k, scratch);
+        } else {
+          block_rows_panel<1, kQ41>(panel, xr, sr, k, scratch);
+        }
+        out.write(scratch, rows, m0, g);
+      }
+    }
+  };
+  research_native::parallel_for(pool, row_units * groups, 4, run);
+}
+
 // Which kernel serves a call: 0 auto (AMX where the CPU grants it, else the vector kernel),
 // 1 the vector kernel, 2 AMX (an error where there is none).
 constexpr int32_t kAuto = 0, kVector = 1, kAmx = 2;
@@ -409,6 +571,41 @@ ffi::Error GemmF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   return ffi::Error::Success();
 }
 
+// x [M, K] float32 or bfloat16 @ W as GGUF blocks in panels [N/32, K/32, bytes] (uint8), format
+// 0: Q4_1, 1: Q8_0 -> y [M, N] (or the swiglu half) float32 or bfloat16.
+ffi::Error GemmBlocksImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w,
+                          int32_t format, int32_t epilogue, ffi::Result<ffi::AnyBuffer> y) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  auto yd = y->dimensions();
+  const bool swiglu = epilogue == 1;
+  const int64_t bytes = format == 0 ? kQ41Bytes : kQ80Bytes;
+  if (format < 0 || format > 1 || epilogue < 0 || epilogue > 1) {
+    return ffi::Error::InvalidArgument("gemm_blocks: format must be 0 or 1, epilogue 0 or 1");
+  }
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != bytes ||
+      xd[1] != wd[1] * 32 || yd[0] != xd[0] || yd[1] != wd[0] * (swiglu ? 16 : 32)) {
+    return ffi::Error::InvalidArgument("gemm_blocks: inconsistent shapes");
+  }
+  const auto xt = x.element_type();
+  if (xt != ffi::DataType::F32 && xt != ffi::DataType::BF16) {
+    return ffi::Error::InvalidArgument("gemm_blocks: x must be float32 or bfloat16");
+  }
+  ffi::Error err = ffi::Error::Success();
+  if (!check_output(y->element_type(), "gemm_blocks", &err)) return err;
+  if (xd[0] > 0) {
+    const Output out{y->untyped_data(), y->element_type() == ffi::DataType::BF16, swiglu, yd[1]};
+    const bool x_bf16 = xt == ffi::DataType::BF16;
+    const auto* wp = reinterpret_cast<const uint8_t*>(w.untyped_data());
+    if (format == 0) {
+      block_gemm<true>(pool, xd[0], xd[1], wd[0] * 32, x.untyped_data(), x_bf16, wp, out);
+    } else {
+      block_gemm<false>(pool, xd[0], xd[1], wd[0] * 32, x.untyped_data(), x_bf16, wp, out);
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 extern "C" int ResearchAmxReady() { return amx_ready() ? 1 : 0; }
@@ -442,5 +639,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmF32, GemmF32Impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("epilogue")
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmBlocks, GemmBlocksImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Attr<int32_t>("format")
                                   .Attr<int32_t>("epilogue")
                                   .Ret<ffi::AnyBuffer>());

@@ -237,3 +237,105 @@ def matmul(x: jax.Array, w: PackedWeight, out_dtype: Any = jnp.float32) -> jax.A
         call = jax.ffi.ffi_call(native._GEMM_TARGET, out)
         y = call(x2, w.packed, epilogue=epilogue, kernel=kernel)
     return y.reshape(*lead, w.out_features)
+
+
+# ---------------------------------------------------------------- GGUF blocks as stored
+
+# GGUF block formats the kernel reads as stored: bytes of one 32-weight block in the file, and
+# of one (32 columns x 32 k) tile of a panel (``gemm.cc``: scales, then codes k-major)
+BLOCK_FORMATS = {"q4_1": (20, 640), "q8_0": (34, 1088)}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockWeight:
+    """A weight W [K, N] kept as GGUF stores it (Q4_1: w = d q + m, q 4-bit; Q8_0: w = d q, q
+    int8; float16 d and m per 32 k of one column), re-tiled into 32-column panels:
+    packed [N/32, K/32, panel bytes] uint8 (``gemm.cc`` gives the tile layout)."""
+
+    packed: jax.Array
+    shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+    fmt: str = dataclasses.field(default="q4_1", metadata=dict(static=True))
+    epilogue: str = dataclasses.field(default="", metadata=dict(static=True))
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[1] // 2 if self.epilogue == "swiglu" else self.shape[1]
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+
+def pack_blocks(rows: np.ndarray, fmt: str, epilogue: str = "") -> BlockWeight:
+    """GGUF's bytes of a weight with N output columns ([N, K/32 * block bytes] uint8, one column
+    per row, as ``GGUFReader`` gives them) -> BlockWeight (W [K, N])."""
+    if fmt not in BLOCK_FORMATS:
+        raise ValueError(f"GGUF block format {fmt!r} is not one of {sorted(BLOCK_FORMATS)}")
+    block, _ = BLOCK_FORMATS[fmt]
+    rows = np.ascontiguousarray(rows, np.uint8)
+    n, width = rows.shape
+    if width % block or n % 32:
+        raise ValueError(f"{fmt} rows of {width} bytes x {n} columns do not tile (32 x 32)")
+    kbs = width // block
+    tiles = rows.reshape(n // 32, 32, kbs, block).transpose(0, 2, 1, 3)  # [g, kb, c, bytes]
+    d = tiles[..., 0:2].reshape(n // 32, kbs, 64)
+    if fmt == "q4_1":  # [g, kb, c, j] -> [g, kb, j, c]: byte j of column c's block
+        m = tiles[..., 2:4].reshape(n // 32, kbs, 64)
+        codes = tiles[..., 4:20].transpose(0, 1, 3, 2).reshape(n // 32, kbs, 512)
+        parts = [d, m, codes]
+    else:
+        codes = tiles[..., 2:34].transpose(0, 1, 3, 2).reshape(n // 32, kbs, 1024)
+        parts = [d, codes]
+    packed = np.concatenate(parts, axis=-1)
+    return BlockWeight(jnp.asarray(packed), (kbs * 32, n), fmt, epilogue)
+
+
+def gate_up_rows(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """Two weights' rows (F columns each) interleaved 16 by 16 (16 gate columns, then the same
+    16 up columns), the panel order of the swiglu epilogue."""
+    f = gate.shape[0]
+    if up.shape != gate.shape or f % 16:
+        raise ValueError(f"gate {gate.shape} and up {up.shape} must match, F % 16 == 0")
+    both = np.stack([gate.reshape(f // 16, 16, -1), up.reshape(f // 16, 16, -1)], axis=1)
+    return both.reshape(2 * f, -1)
+
+
+def unpack_blocks(w: BlockWeight) -> np.ndarray:
+    """BlockWeight -> W [K, N] float32, each weight d q + m (Q4_1) or d q (Q8_0) in float32."""
+    k, n = w.shape
+    p = np.asarray(w.packed)
+    g, kbs = p.shape[0], p.shape[1]
+    d = p[..., 0:64].copy().view(np.float16).astype(np.float32)  # [g, kb, c]
+    if w.fmt == "q4_1":
+        m = p[..., 64:128].copy().view(np.float16).astype(np.float32)
+        codes = p[..., 128:].reshape(g, kbs, 16, 32)
+        q = np.concatenate([codes & 15, codes >> 4], axis=2).astype(np.float32)  # [g,kb,k,c]
+        vals = d[:, :, None, :] * q + m[:, :, None, :]
+    else:
+        q = p[..., 64:].reshape(g, kbs, 32, 32).view(np.int8).astype(np.float32)
+        vals = d[:, :, None, :] * q
+    return vals.transpose(1, 2, 0, 3).reshape(k, n)
+
+
+def block_matmul(x: jax.Array, w: BlockWeight, out_dtype: Any = jnp.float32) -> jax.Array:
+    """x [..., K] (float32 or bfloat16; others cast to float32) @ W [K, N] -> [..., N] in
+    ``out_dtype``, the GGUF blocks read as stored; a gate/up pair gives silu(gate) * up."""
+    if not native.available("gemm"):
+        raise RuntimeError(f"native gemm unavailable: {native.build_error('gemm')}")
+    k = w.shape[0]
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features; the {w.fmt} weight takes {k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.dtype not in (jnp.float32, jnp.bfloat16):
+        x2 = x2.astype(jnp.float32)
+    out = jax.ShapeDtypeStruct((x2.shape[0], w.out_features), jnp.dtype(out_dtype))
+    call = jax.ffi.ffi_call(native._GEMM_BLOCKS_TARGET, out)
+    y = call(
+        x2,
+        w.packed,
+        format=np.int32(0 if w.fmt == "q4_1" else 1),
+        epilogue=np.int32(1 if w.epilogue == "swiglu" else 0),
+    )
+    return y.reshape(*lead, w.out_features)
