@@ -115,9 +115,6 @@ class LLM:
         from research.models.weights import gguf_block_params
         from research.native import gemm
 
-        if config.gemm_backend == "xla":
-            raise ValueError('quantization="gguf" runs through the native kernels; '
-                             'gemm_backend="xla" dequantizes instead (leave quantization unset)')
         if gemm.unavailable_reason(self.dtype) is not None:
             raise ValueError(
                 f'quantization="gguf" needs the native gemm kernels: {gemm.describe(self.dtype)}'

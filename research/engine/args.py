@@ -189,6 +189,11 @@ class EngineArgs:
                 )
             if self.tensor_parallel_size > 1 or self.enable_expert_parallel:
                 raise ValueError('quantization="gguf" runs on one device (no TP/EP plans)')
+            if self.gemm_backend == "xla":
+                raise ValueError(
+                    'quantization="gguf" runs through the native kernels; gemm_backend="xla" '
+                    "dequantizes instead (leave quantization unset)"
+                )
         if self.quantization not in allowed:
             raise ValueError(f"quantization must be one of {allowed}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_DTYPES:

@@ -1,0 +1,157 @@
+"""GGUF's Q4_1 and Q8_0 blocks kept as stored (``quantization="gguf"``): the panel packing against
+``gguf``'s own dequantization, the native kernel against an exact emulation of its float32
+arithmetic (any CPU), and the engine on the bundled GGUF against its dequantized twin."""
+
+from __future__ import annotations
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from research import native
+from research.native import gemm
+
+built = pytest.mark.skipif(
+    not gemm.available(), reason=f"native gemm unavailable: {native.build_error('gemm')}"
+)
+TYPES = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
+
+
+def random_blocks(fmt: str, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF bytes of a random [N, K] weight quantized by ``gguf`` ([N, K/32 * block bytes]),
+    and its dequantization W [K, N] float32."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    rows = gguf.quants.quantize(w, TYPES[fmt])
+    return rows, gguf.quants.dequantize(rows, TYPES[fmt]).reshape(n, k).T.astype(np.float32)
+
+
+def f32(v):
+    return np.asarray(v, np.float64).astype(np.float32)
+
+
+def block_reference(x: np.ndarray, w: gemm.BlockWeight) -> np.ndarray:
+    """The kernel's arithmetic, exactly: per column and 32-k block, two float32 sums of x times
+    the codes (Q4_1: k < 16 and k >= 16; Q8_0: even and odd k), each a chain of fused
+    multiply-adds (emulated in float64, exact for these products and sums, then rounded once),
+    then y = fma(d, s0 + s1, y) and, for Q4_1, y = fma(m, sum of x over the block, y)."""
+    k, n = w.shape
+    p = np.asarray(w.packed)
+    g, kbs = p.shape[:2]
+    x = np.asarray(x, np.float32)
+    y = np.zeros((x.shape[0], n), np.float32)
+    for kb in range(kbs):
+        tile = p[:, kb]  # [g, bytes]
+        d = tile[:, 0:64].copy().view(np.float16).astype(np.float64).reshape(-1)
+        xb = x[:, kb * 32 : kb * 32 + 32]
+        if w.fmt == "q4_1":
+            m = tile[:, 64:128].copy().view(np.float16).astype(np.float64).reshape(-1)
+            codes = tile[:, 128:].reshape(g, 16, 32).transpose(1, 0, 2).reshape(16, n)
+            chains = [(range(16), codes & 15), (range(16, 32), codes >> 4)]
+            chains = [[(kk, q[j]) for j, kk in enumerate(ks)] for ks, q in chains]
+        else:
+            codes = tile[:, 64:].reshape(g, 32, 32).transpose(1, 0, 2).reshape(32, n).view(np.int8)
+            chains = [[(kk, codes[kk]) for kk in range(0, 32, 2)],
+                      [(kk, codes[kk]) for kk in range(1, 32, 2)]]  # fmt: skip
+        sums = []
+        for chain in chains:
+            s = np.zeros_like(y)
+            for kk, q in chain:
+                s = f32(np.outer(xb[:, kk], q.astype(np.float64)) + s)
+            sums.append(s)
+        y = f32(d * (sums[0] + sums[1]).astype(np.float64) + y)
+        if w.fmt == "q4_1":
+            total = np.zeros(x.shape[0], np.float32)
+            for j in range(32):
+                total = total + xb[:, j]
+            y = f32(np.outer(total.astype(np.float64), m) + y)
+    return y
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    from research.models.weights import smollm2_gguf_path
+
+    return {t.name: t for t in gguf.GGUFReader(str(smollm2_gguf_path())).tensors}
+
+
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.3.ffn_down.weight", "token_embd.weight"])
+def test_panels_hold_exactly_the_files_blocks(bundled, name):
+    """The bundled GGUF's tensors (Q4_1 layers, the Q8_0 embedding): unpacking the panels gives
+    what ``gguf`` dequantizes, for every weight."""
+    t = bundled[name]
+    fmt = t.tensor_type.name.lower()
+    w = gemm.pack_blocks(np.asarray(t.data), fmt)
+    ref = gguf.quants.dequantize(t.data, t.tensor_type).reshape(t.data.shape[0], -1).T
+    assert w.shape == ref.shape and w.packed.dtype == jnp.uint8
+    assert w.packed.nbytes == t.n_bytes  # as stored: no byte more than the file's
+    np.testing.assert_array_equal(gemm.unpack_blocks(w), ref.astype(np.float32))
+
+
+@built
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("m", [1, 2, 3, 65])
+def test_block_kernel_is_its_exact_float32_arithmetic(fmt, m):
+    rows, _ = random_blocks(fmt, 96, 128, seed=m)
+    w = gemm.pack_blocks(rows, fmt)
+    x = np.random.default_rng(100 + m).standard_normal((m, 128)).astype(np.float32)
+    y = np.asarray(jax.jit(gemm.block_matmul)(jnp.asarray(x), w))
+    np.testing.assert_array_equal(y, block_reference(x, w))
+    xb = jnp.asarray(x, jnp.bfloat16)  # bfloat16 rows are widened first: the same sums
+    yb = np.asarray(jax.jit(gemm.block_matmul)(xb, w))
+    np.testing.assert_array_equal(yb, block_reference(np.asarray(xb, np.float32), w))
+
+
+@built
+def test_gate_up_blocks_give_silu_gate_times_up():
+    gate, wg = random_blocks("q4_1", 64, 96, seed=1)
+    up, wu = random_blocks("q4_1", 64, 96, seed=2)
+    fused = gemm.pack_blocks(gemm.gate_up_rows(gate, up), "q4_1", epilogue="swiglu")
+    assert fused.out_features == 64
+    x = np.random.default_rng(3).standard_normal((5, 96)).astype(np.float32)
+    h = np.asarray(jax.jit(gemm.block_matmul)(jnp.asarray(x), fused))
+    g, u = (x.astype(np.float64) @ w.astype(np.float64) for w in (wg, wu))
+    ref = g / (1 + np.exp(-g)) * u
+    np.testing.assert_allclose(h, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_blocks_refuse_what_does_not_tile():
+    rows, _ = random_blocks("q4_1", 48, 64, seed=0)
+    with pytest.raises(ValueError, match="do not tile"):
+        gemm.pack_blocks(rows, "q4_1")
+    with pytest.raises(ValueError, match="not one of"):
+        gemm.pack_blocks(rows, "q4_k")
+
+
+def test_gguf_quantization_is_refused_where_it_cannot_run():
+    from research import LLM
+
+    with pytest.raises(ValueError, match="not a .gguf file or a bundled GGUF preset"):
+        LLM("tiny-llama", quantization="gguf")
+    with pytest.raises(ValueError, match="simulator prices GGUF formats"):
+        LLM("smollm2-135m", quantization="gguf", executor="simulated", hardware="gb10")
+    with pytest.raises(ValueError, match='gemm_backend="xla" dequantizes'):
+        LLM("smollm2-135m", quantization="gguf", gemm_backend="xla")
+
+
+@built
+def test_smollm2_as_stored_blocks_decodes_as_its_dequantized_twin(smollm2_llm):
+    """float32 activations: the blocks hold exactly the dequantized model's weights, so logits
+    differ by summation order only and greedy tokens on the parity prompts are identical."""
+    from research import LLM, SamplingParams
+    from research.models.transformer import compute_logits
+    from tests.test_parity_smollm2 import PROMPTS
+
+    llm = LLM("smollm2-135m", max_model_len=1024, dtype="float32", quantization="gguf")
+    params = llm.engine.executor.params
+    assert isinstance(params["layers"][0]["wqkv"], gemm.BlockWeight)
+    assert params["layers"][0]["w_gate_up"].fmt == "q4_1" and params["lm_head"].fmt == "q8_0"
+    hidden = jnp.asarray(np.random.default_rng(0).standard_normal((3, 576)), jnp.float32)
+    ours = np.asarray(compute_logits(params, llm.model_config, hidden))
+    ref = np.asarray(compute_logits(smollm2_llm.params, llm.model_config, hidden))
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
+    sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
+    want = [o.outputs[0].token_ids for o in smollm2_llm.generate(PROMPTS, sp)]
+    assert got == want
