@@ -47,13 +47,13 @@ def block_reference(x: np.ndarray, w: gemm.BlockWeight) -> np.ndarray:
         xb = x[:, kb * 32 : kb * 32 + 32]
         if w.fmt == "q4_1":
             m = tile[:, 64:128].copy().view(np.float16).astype(np.float64).reshape(-1)
-            codes = tile[:, 128:].reshape(g, 16, 32).transpose(1, 0, 2).reshape(16, n)
-            chains = [(range(16), codes & 15), (range(16, 32), codes >> 4)]
-            chains = [[(kk, q[j]) for j, kk in enumerate(ks)] for ks, q in chains]
+            pairs = tile[:, 128:].reshape(g, 4, 32, 4)  # [g, word, c, byte]
+            q = np.stack([pairs & 15, pairs >> 4], -1).transpose(1, 3, 4, 0, 2).reshape(32, n)
+            chains = [[(kk, q[kk]) for kk in range(16)], [(kk, q[kk]) for kk in range(16, 32)]]
         else:
-            codes = tile[:, 64:].reshape(g, 32, 32).transpose(1, 0, 2).reshape(32, n).view(np.int8)
-            chains = [[(kk, codes[kk]) for kk in range(0, 32, 2)],
-                      [(kk, codes[kk]) for kk in range(1, 32, 2)]]  # fmt: skip
+            q = tile[:, 64:].reshape(g, 8, 32, 4).transpose(1, 3, 0, 2).reshape(32, n).view(np.int8)
+            chains = [[(kk, q[kk]) for kk in range(0, 32, 2)],
+                      [(kk, q[kk]) for kk in range(1, 32, 2)]]  # fmt: skip
         sums = []
         for chain in chains:
             s = np.zeros_like(y)

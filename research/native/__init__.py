@@ -6,7 +6,9 @@ gathered bytes at a fraction of its streaming bandwidth. ``paged_attention`` rea
 place through the block tables instead (``paged_attention.cc``), as vLLM's CPU backend does, for
 decode and verification rows; ``packed_attention`` runs a call's prefill chunks in one causal
 pass over the packed tokens (each over its row's pages and the row's own new tokens). ``gemm``
-(``gemm.cc``) multiplies bfloat16 projections on the CPU's AMX tiles.
+(``gemm.cc``) multiplies a model's projections: bfloat16 on the CPU's AMX tiles where it has them,
+else, and float32 always, on a vector kernel the compiler builds for whatever the CPU has; and
+GGUF's Q4_1 / Q8_0 blocks as stored.
 
 Each kernel family is its own library (``FAMILIES``: ``attention``, ``gemm``), so a compile
 failure in one loses only its own kernels. A library is built with the system C++ compiler
@@ -19,6 +21,13 @@ its result) and the compile has a timeout (``$RESEARCH_NATIVE_BUILD_TIMEOUT``, d
 ``available(family)`` says whether a family built (callers fall back to the XLA path when not,
 with a warning that names the family and the error); ``build_error(family)`` says why;
 ``build_events()`` says, per family, whether this process compiled it or found it built.
+
+Libraries are built for ``-march=native`` unless ``$RESEARCH_NATIVE_MARCH`` names another target
+(``x86-64-v3``: AVX2; ``x86-64-v2``: SSE only). Before a library is built or loaded, the
+instruction sets its ``-march`` assumes (the compiler's predefined macros) are checked against the
+CPU's flags: a requested target this CPU cannot run falls back to ``native`` with a warning
+naming what was missing, so no process dies of an illegal instruction; ``built_march(family)``
+says what a loaded library targets.
 """
 
 from __future__ import annotations

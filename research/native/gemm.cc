@@ -35,6 +35,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__x86_64__) && (defined(__AVX512F__) || defined(__F16C__))
+#include <immintrin.h>
+#endif
+
 #include "parallel.h"
 #include "vec_math.h"
 #include "xla/ffi/api/ffi.h"
@@ -348,15 +352,17 @@ void vec_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const T* x
 //
 // A block is 32 consecutive k of one output column with float16 scales: Q4_1 w = d q + m
 // (q 4-bit unsigned), Q8_0 w = d q (q int8). A panel of 32 columns keeps, per k block, its
-// columns' scales and then their codes, k-major: a product reads 0.625 (Q4_1) or 1.0625 (Q8_0)
-// bytes per weight, as the file stores them, and widens the codes to float32 in registers.
-//   Q4_1 (640 bytes): d[32] f16, m[32] f16, then 16 rows j of 32 bytes, byte c holding column
-//                     c's codes for k = j (low nibble) and k = j + 16 (high nibble), as GGUF
-//                     packs one column's block (so a panel is the blocks' bytes transposed)
-//   Q8_0 (1088 bytes): d[32] f16, then 32 rows k of 32 int8
-// Per column and block: s = sum_k x_k q_k in float32 (two chains: k < 16 and k >= 16 for Q4_1,
-// even and odd k for Q8_0), then y += d s (+ m sum_k x_k for Q4_1): sum_k x_k w_k rearranged,
-// so it differs from a product with the dequantized weights by float32 rounding only.
+// columns' scales and then their codes, one 32-bit word per column and run of k (so a vector
+// lane is a column and the codes come out with shifts and masks, on any instruction set): a
+// product reads 0.625 (Q4_1) or 1.0625 (Q8_0) bytes per weight, as the file stores them.
+//   Q4_1 (640 bytes): d[32] f16, m[32] f16, then words [4][32]: word (g, c) holds column c's
+//                     codes for k = 8 g .. 8 g + 7, k = 8 g + t in bits 4 t .. 4 t + 3
+//   Q8_0 (1088 bytes): d[32] f16, then words [8][32]: word (g, c) holds column c's int8 codes
+//                      for k = 4 g .. 4 g + 3, k = 4 g + t in byte t
+// Per column and block: s = sum_k x_k q_k in float32 as two chains of fused multiply-adds in k
+// order (Q4_1: k < 16 and k >= 16; Q8_0: even and odd k), then y += d (s0 + s1), and for Q4_1
+// y += m sum_k x_k: sum_k x_k w_k rearranged, so it differs from a product with the dequantized
+// weights by float32 rounding only.
 
 constexpr int kQ41Bytes = 640, kQ80Bytes = 1088;
 #if defined(__AVX512F__)
@@ -366,15 +372,23 @@ constexpr int kBlockRows = 1;
 #endif
 
 typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
-typedef uint8_t vb __attribute__((vector_size(kLanes)));
-typedef int8_t vsb __attribute__((vector_size(kLanes)));
 typedef _Float16 vh __attribute__((vector_size(kLanes * 2)));
 
+// kLanes float16 values -> float32 (GCC 12 widens a _Float16 vector one lane at a time on x86,
+// so F16C's vcvtph2ps is asked for by name there).
 inline vf load_f16(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__AVX__) && defined(__F16C__)
+  return reinterpret_cast<vf>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
   vh h;
   __builtin_memcpy(&h, p, sizeof(h));
   return __builtin_convertvector(h, vf);
+#endif
 }
+
+inline vu load_words(const uint8_t* p) { return *reinterpret_cast<const vuu*>(p); }
 
 // c[i, c0 .. c0 + kPassCols] for rows i < R; x: float32 rows (row i at x + i * ldx); xsum:
 // each row's sum over each k block (row i at xsum + i * kbs; Q4_1 only).
@@ -385,45 +399,53 @@ void block_rows(const uint8_t* panel, const float* x, int64_t ldx, const float* 
   vf acc[R][kPassVecs] = {};
   for (int64_t kb = 0; kb < kbs; ++kb) {
     const uint8_t* blk = panel + kb * kBytes;
-    __builtin_prefetch(blk + kPrefetchBytes);
-    __builtin_prefetch(blk + kPrefetchBytes + 64 * (kBytes / 128));
+    if (c0 == 0) {
+      for (int line = 0; line < kBytes; line += 64) __builtin_prefetch(blk + kPrefetchBytes + line);
+    }
     const float* xk = x + kb * 32;
     vf s0[R][kPassVecs] = {}, s1[R][kPassVecs] = {};
     if constexpr (kQ41) {
       const uint8_t* q = blk + 128;
-      for (int j = 0; j < 16; ++j) {
-        vf lo[kPassVecs], hi[kPassVecs];
+      for (int g = 0; g < 2; ++g) {  // words g (k < 16, chain 0) and g + 2 (k >= 16, chain 1)
+        vu wl[kPassVecs], wh[kPassVecs];
         for (int v = 0; v < kPassVecs; ++v) {
-          vb bytes;
-          __builtin_memcpy(&bytes, q + j * 32 + c0 + v * kLanes, sizeof(bytes));
-          const vi w = __builtin_convertvector(bytes, vi);
-          lo[v] = __builtin_convertvector(w & 15, vf);
-          hi[v] = __builtin_convertvector(w >> 4, vf);
+          wl[v] = load_words(q + (g * 32 + c0 + v * kLanes) * 4);
+          wh[v] = load_words(q + ((g + 2) * 32 + c0 + v * kLanes) * 4);
         }
-        for (int i = 0; i < R; ++i) {
-          const float xl = xk[i * ldx + j], xh = xk[i * ldx + j + 16];
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) {
+          vf lo[kPassVecs], hi[kPassVecs];
           for (int v = 0; v < kPassVecs; ++v) {
-            s0[i][v] += xl * lo[v];
-            s1[i][v] += xh * hi[v];
+            lo[v] = __builtin_convertvector(reinterpret_cast<vi>((wl[v] >> (4 * t)) & 15u), vf);
+            hi[v] = __builtin_convertvector(reinterpret_cast<vi>((wh[v] >> (4 * t)) & 15u), vf);
+          }
+          for (int i = 0; i < R; ++i) {
+            const float xl = xk[i * ldx + 8 * g + t], xh = xk[i * ldx + 16 + 8 * g + t];
+            for (int v = 0; v < kPassVecs; ++v) {
+              s0[i][v] += xl * lo[v];
+              s1[i][v] += xh * hi[v];
+            }
           }
         }
       }
     } else {
       const uint8_t* q = blk + 64;
-      for (int k = 0; k < 32; k += 2) {
-        vf e[kPassVecs], o[kPassVecs];
-        for (int v = 0; v < kPassVecs; ++v) {
-          vsb be, bo;
-          __builtin_memcpy(&be, q + k * 32 + c0 + v * kLanes, sizeof(be));
-          __builtin_memcpy(&bo, q + (k + 1) * 32 + c0 + v * kLanes, sizeof(bo));
-          e[v] = __builtin_convertvector(__builtin_convertvector(be, vi), vf);
-          o[v] = __builtin_convertvector(__builtin_convertvector(bo, vi), vf);
-        }
-        for (int i = 0; i < R; ++i) {
-          const float xe = xk[i * ldx + k], xo = xk[i * ldx + k + 1];
+      for (int g = 0; g < 8; ++g) {
+        vu w[kPassVecs];
+        for (int v = 0; v < kPassVecs; ++v) w[v] = load_words(q + (g * 32 + c0 + v * kLanes) * 4);
+#pragma GCC unroll 2
+        for (int t = 0; t < 4; t += 2) {  // k = 4 g + t (even: chain 0), 4 g + t + 1 (odd: 1)
+          vf e[kPassVecs], o[kPassVecs];
           for (int v = 0; v < kPassVecs; ++v) {
-            s0[i][v] += xe * e[v];
-            s1[i][v] += xo * o[v];
+            e[v] = __builtin_convertvector(reinterpret_cast<vi>(w[v] << (24 - 8 * t)) >> 24, vf);
+            o[v] = __builtin_convertvector(reinterpret_cast<vi>(w[v] << (16 - 8 * t)) >> 24, vf);
+          }
+          for (int i = 0; i < R; ++i) {
+            const float xe = xk[i * ldx + 4 * g + t], xo = xk[i * ldx + 4 * g + t + 1];
+            for (int v = 0; v < kPassVecs; ++v) {
+              s0[i][v] += xe * e[v];
+              s1[i][v] += xo * o[v];
+            }
           }
         }
       }

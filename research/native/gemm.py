@@ -280,13 +280,16 @@ def pack_blocks(rows: np.ndarray, fmt: str, epilogue: str = "") -> BlockWeight:
     kbs = width // block
     tiles = rows.reshape(n // 32, 32, kbs, block).transpose(0, 2, 1, 3)  # [g, kb, c, bytes]
     d = tiles[..., 0:2].reshape(n // 32, kbs, 64)
-    if fmt == "q4_1":  # [g, kb, c, j] -> [g, kb, j, c]: byte j of column c's block
+    if fmt == "q4_1":  # codes [g, kb, c, 32 k] -> words [g, kb, 4, c]: 8 k per 32-bit word
         m = tiles[..., 2:4].reshape(n // 32, kbs, 64)
-        codes = tiles[..., 4:20].transpose(0, 1, 3, 2).reshape(n // 32, kbs, 512)
-        parts = [d, m, codes]
-    else:
-        codes = tiles[..., 2:34].transpose(0, 1, 3, 2).reshape(n // 32, kbs, 1024)
-        parts = [d, codes]
+        packed4 = tiles[..., 4:20]  # byte j: k = j (low nibble), k = j + 16 (high nibble)
+        codes = np.concatenate([packed4 & 15, packed4 >> 4], axis=-1)  # [g, kb, c, k]
+        pairs = codes[..., 0::2] | (codes[..., 1::2] << 4)  # [g, kb, c, 16]: k pairs per byte
+        words = pairs.reshape(n // 32, kbs, 32, 4, 4).transpose(0, 1, 3, 2, 4)
+        parts = [d, m, words.reshape(n // 32, kbs, 512)]
+    else:  # int8 codes [g, kb, c, 32 k] -> words [g, kb, 8, c]: 4 k per 32-bit word
+        codes = tiles[..., 2:34].reshape(n // 32, kbs, 32, 8, 4).transpose(0, 1, 3, 2, 4)
+        parts = [d, codes.reshape(n // 32, kbs, 1024)]
     packed = np.concatenate(parts, axis=-1)
     return BlockWeight(jnp.asarray(packed), (kbs * 32, n), fmt, epilogue)
 
@@ -309,12 +312,13 @@ def unpack_blocks(w: BlockWeight) -> np.ndarray:
     d = p[..., 0:64].copy().view(np.float16).astype(np.float32)  # [g, kb, c]
     if w.fmt == "q4_1":
         m = p[..., 64:128].copy().view(np.float16).astype(np.float32)
-        codes = p[..., 128:].reshape(g, kbs, 16, 32)
-        q = np.concatenate([codes & 15, codes >> 4], axis=2).astype(np.float32)  # [g,kb,k,c]
+        pairs = p[..., 128:].reshape(g, kbs, 4, 32, 4)  # [g, kb, word, c, byte]
+        q = np.stack([pairs & 15, pairs >> 4], axis=-1)  # [g, kb, word, c, byte, nibble]
+        q = q.transpose(0, 1, 2, 4, 5, 3).reshape(g, kbs, 32, 32).astype(np.float32)  # [.., k, c]
         vals = d[:, :, None, :] * q + m[:, :, None, :]
     else:
-        q = p[..., 64:].reshape(g, kbs, 32, 32).view(np.int8).astype(np.float32)
-        vals = d[:, :, None, :] * q
+        q = p[..., 64:].reshape(g, kbs, 8, 32, 4).transpose(0, 1, 2, 4, 3).reshape(g, kbs, 32, 32)
+        vals = d[:, :, None, :] * q.view(np.int8).astype(np.float32)
     return vals.transpose(1, 2, 0, 3).reshape(k, n)
 
 
