@@ -1,5 +1,6 @@
-"""bfloat16 projections of SmolLM2-135M on this CPU: XLA's dot against the AMX kernel, side by
-side in one process (and torch's, which calls oneDNN, where torch is installed).
+"""bfloat16 projections of SmolLM2-135M on this CPU: XLA's dot against the native kernels (the
+vector kernel, and AMX where the CPU has it), side by side in one process (and torch's, which
+calls oneDNN, where torch is installed).
 
     python -m experiments.bench_gemm [--rows 1 16 64 2048] [--repeats 20]
 
@@ -7,8 +8,8 @@ For each (rows, in, out) shape of the model's projections it prints GFLOP/s and 
 reads (median of ``--repeats`` calls), and the larger of their fractions of the machine's
 measured bf16 GEMM and read peaks (``research.perf.host_peaks``), for: ``xla`` (a 2-D dot with a
 float32 result, as ``layers.matmul`` runs it), ``xla+cast`` (the same with its bfloat16 cast, as ``layers.linear``
-runs it inside a step, where the cast fuses into the dot), ``amx`` (``research.native.gemm``
-writing bfloat16) and ``torch``. Weights stay warm in cache between calls: this is the kernels'
+runs it inside a step, where the cast fuses into the dot), ``vector`` and ``amx``
+(``research.native.gemm`` writing bfloat16) and ``torch``. Weights stay warm in cache between calls: this is the kernels'
 speed, not a step's (a read fraction past 1 means the weights came from cache, not memory).
 """
 
@@ -40,9 +41,12 @@ def main(argv: list[str] | None = None) -> None:
     bf16, dims = jnp.bfloat16, (((1,), (0,)), ((), ()))
     xla = jax.jit(lambda x, w: jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32))
     cast = jax.jit(lambda x, w: xla(x, w).astype(bf16))
-    amx = jax.jit(lambda x, w: gemm.matmul(x, w, bf16))
+    kernels = {
+        name: jax.jit(lambda x, w, name=name: gemm.matmul(x, w, bf16, kernel=name))
+        for name in (("vector", "amx") if gemm.amx_available() else ("vector",))
+    }
     if not gemm.available():
-        print(f"AMX kernel unavailable: {gemm.unavailable_reason(bf16)}")
+        print(f"native kernels unavailable: {gemm.unavailable_reason(bf16)}")
     peaks = host_peaks()  # the roofline: this machine's bf16 GEMM and read peaks, cached
     flop_peak, read_peak = peaks["bf16_flops"], peaks["bandwidth"]
     print(
@@ -63,7 +67,8 @@ def main(argv: list[str] | None = None) -> None:
             }
             if gemm.available():
                 packed = gemm.pack(w)
-                runs["amx"] = lambda x=x, p=packed: amx(x, p).block_until_ready()
+                for name, fn in kernels.items():
+                    runs[name] = lambda x=x, p=packed, fn=fn: fn(x, p).block_until_ready()
             if torch is not None:
                 tx, tw = (
                     torch.from_numpy(np.asarray(x, np.float32)),

@@ -36,7 +36,7 @@ def block_reference(x: np.ndarray, w: gemm.BlockWeight) -> np.ndarray:
     the codes (Q4_1: k < 16 and k >= 16; Q8_0: even and odd k), each a chain of fused
     multiply-adds (emulated in float64, exact for these products and sums, then rounded once),
     then y = fma(d, s0 + s1, y) and, for Q4_1, y = fma(m, sum of x over the block, y)."""
-    k, n = w.shape
+    n = w.shape[1]
     p = np.asarray(w.packed)
     g, kbs = p.shape[:2]
     x = np.asarray(x, np.float32)
@@ -76,7 +76,9 @@ def bundled():
     return {t.name: t for t in gguf.GGUFReader(str(smollm2_gguf_path())).tensors}
 
 
-@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.3.ffn_down.weight", "token_embd.weight"])
+@pytest.mark.parametrize(
+    "name", ["blk.0.attn_q.weight", "blk.3.ffn_down.weight", "token_embd.weight"]
+)
 def test_panels_hold_exactly_the_files_blocks(bundled, name):
     """The bundled GGUF's tensors (Q4_1 layers, the Q8_0 embedding): unpacking the panels gives
     what ``gguf`` dequantizes, for every weight."""
@@ -127,7 +129,7 @@ def test_blocks_refuse_what_does_not_tile():
 def test_gguf_quantization_is_refused_where_it_cannot_run():
     from research import LLM
 
-    with pytest.raises(ValueError, match="not a .gguf file or a bundled GGUF preset"):
+    with pytest.raises(ValueError, match=r"not a \.gguf file or a bundled GGUF preset"):
         LLM("tiny-llama", quantization="gguf")
     with pytest.raises(ValueError, match="simulator prices GGUF formats"):
         LLM("smollm2-135m", quantization="gguf", executor="simulated", hardware="gb10")

@@ -27,24 +27,13 @@ built = pytest.mark.skipif(
 amx = pytest.mark.skipif(
     not gemm.amx_available(), reason=f"AMX kernel unavailable here: {gemm.describe()}"
 )
-x86 = pytest.mark.skipif(
-    platform.machine() not in ("x86_64", "AMD64"), reason="x86 -march names"
-)
+x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 -march names")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def product(x, w, kernel="auto", out_dtype=jnp.float32, monkeypatch=None):
-    """x @ packed w through ``kernel`` ($RESEARCH_GEMM_KERNEL is read when the call is traced,
-    so every call traces its own function)."""
-    old = os.environ.get("RESEARCH_GEMM_KERNEL")
-    os.environ["RESEARCH_GEMM_KERNEL"] = kernel
-    try:
-        return np.asarray(jax.jit(lambda a, b: gemm.matmul(a, b, out_dtype))(x, w))
-    finally:
-        if old is None:
-            del os.environ["RESEARCH_GEMM_KERNEL"]
-        else:
-            os.environ["RESEARCH_GEMM_KERNEL"] = old
+def product(x, w, kernel="auto", out_dtype=jnp.float32):
+    """x @ packed w through ``kernel``, jitted."""
+    return np.asarray(jax.jit(lambda a, b: gemm.matmul(a, b, out_dtype, kernel=kernel))(x, w))
 
 
 def vector_reference(x, w):
@@ -181,7 +170,9 @@ def test_describe_names_the_kernel_and_its_instruction_set(monkeypatch):
     assert f"-march={native.march()}" in gemm.describe(jnp.float32)
     assert gemm.describe(jnp.float16).startswith("xla (float16 weights")
     monkeypatch.setenv("RESEARCH_GEMM_KERNEL", "auto")
-    assert gemm.describe(jnp.bfloat16) == ("amx" if gemm.amx_available() else gemm.describe(jnp.float32))
+    assert gemm.describe(jnp.bfloat16) == (
+        "amx" if gemm.amx_available() else gemm.describe(jnp.float32)
+    )
 
 
 @x86

@@ -184,8 +184,11 @@ class EngineArgs:
                 raise ValueError(
                     'quantization="gguf" keeps a GGUF file\'s Q4_1 and Q8_0 blocks as stored for '
                     f"the real engine; {model!r} is not a .gguf file or a bundled GGUF preset"
-                    + (' (the simulator prices GGUF formats as "q8_0" / "gguf_mxfp4")'
-                       if executor == "simulated" else "")
+                    + (
+                        ' (the simulator prices GGUF formats as "q8_0" / "gguf_mxfp4")'
+                        if executor == "simulated"
+                        else ""
+                    )
                 )
             if self.tensor_parallel_size > 1 or self.enable_expert_parallel:
                 raise ValueError('quantization="gguf" runs on one device (no TP/EP plans)')

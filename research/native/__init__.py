@@ -166,7 +166,9 @@ def missing_isa(compiler: str, arch: str) -> list[str]:
     if proc.returncode != 0:
         raise RuntimeError(f"{compiler} does not know -march={arch}: {proc.stderr.strip()[-300:]}")
     defined = {ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("#define ")}
-    return sorted(flag for macro, flag in _ISA_MACROS.items() if macro in defined and flag not in cpu)
+    return sorted(
+        flag for macro, flag in _ISA_MACROS.items() if macro in defined and flag not in cpu
+    )
 
 
 def resolve_march(compiler: str) -> str:
@@ -242,7 +244,14 @@ def _build(family: str, arch: str) -> tuple[Path, str]:
             sources, _ = FAMILIES[family]
             with tempfile.TemporaryDirectory(dir=cache) as tmp:
                 out = Path(tmp) / lib.name
-                cmd = [compiler, *_flags(compiler, arch), "-I", jax.ffi.include_dir(), "-o", str(out)]
+                cmd = [
+                    compiler,
+                    *_flags(compiler, arch),
+                    "-I",
+                    jax.ffi.include_dir(),
+                    "-o",
+                    str(out),
+                ]
                 cmd += [str(p) for p in sources]
                 try:
                     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

@@ -217,10 +217,13 @@ def pack_params(params: dict, tie_word_embeddings: bool) -> dict:
     return out
 
 
-def matmul(x: jax.Array, w: PackedWeight, out_dtype: Any = jnp.float32) -> jax.Array:
+def matmul(
+    x: jax.Array, w: PackedWeight, out_dtype: Any = jnp.float32, kernel: str | None = None
+) -> jax.Array:
     """x [..., K] @ W [K, N] -> [..., N] in ``out_dtype`` (float32 or bfloat16; accumulated in
     float32) through the native kernels, x cast to W's dtype; a gate/up pair gives
-    silu(gate) * up [..., N / 2]."""
+    silu(gate) * up [..., N / 2]. ``kernel`` (bfloat16): "auto", "vector" or "amx"; None reads
+    ``$RESEARCH_GEMM_KERNEL`` when the call is traced."""
     if not native.available("gemm"):  # builds and registers the library on first use
         raise RuntimeError(f"native gemm unavailable: {native.build_error('gemm')}")
     k = w.shape[0]
@@ -233,9 +236,11 @@ def matmul(x: jax.Array, w: PackedWeight, out_dtype: Any = jnp.float32) -> jax.A
     if w.packed.dtype == jnp.float32:
         y = jax.ffi.ffi_call(native._GEMM_F32_TARGET, out)(x2, w.packed, epilogue=epilogue)
     else:
-        kernel = np.int32(KERNELS[kernel_name()])
+        if kernel is not None and kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
+        code = np.int32(KERNELS[kernel or kernel_name()])
         call = jax.ffi.ffi_call(native._GEMM_TARGET, out)
-        y = call(x2, w.packed, epilogue=epilogue, kernel=kernel)
+        y = call(x2, w.packed, epilogue=epilogue, kernel=code)
     return y.reshape(*lead, w.out_features)
 
 
