@@ -1,6 +1,14 @@
-// bfloat16 matrix products on Intel AMX for CPU, called from XLA through its FFI.
+// A model's projections on CPU, called from XLA through its FFI: three kernels in one source.
 //
-// Inside a step, where XLA:CPU fuses each bfloat16 dot with its neighbours (the cast to the
+//   - AMX (this top part): bfloat16 on Intel's tile units, where the CPU has them;
+//   - the vector kernel (below): bfloat16 and float32 on whatever vector unit the compiler
+//     targets (AVX2, AVX-512, NEON), the path of every CPU without AMX;
+//   - GGUF blocks (below): Q4_1 and Q8_0 weights read as the file stores them.
+//
+// All three share the panel idea (each 32 output columns one contiguous weight stream) and the
+// epilogues (float32 or bfloat16 output; silu(gate) * up for a fused gate/up weight).
+//
+// AMX. Inside a step, where XLA:CPU fuses each bfloat16 dot with its neighbours (the cast to the
 // model's dtype, an activation), its dots ran at 0.2-0.5 TFLOP/s on a core pair whose AMX units
 // give 2-2.5 to this kernel and to oneDNN through torch (experiments/bench_gemm.py measures
 // them side by side). This kernel feeds the tile units directly:
@@ -212,10 +220,11 @@ void gemm(ffi::ThreadPool&, int64_t, int64_t, int64_t, const uint16_t*, const ui
 // both exact in float32, so a product of two bf16 values is exact too. Each lane keeps two
 // float32 sums, of its even-k and of its odd-k products, each in k order through fused
 // multiply-adds (two independent chains, so the FMA units never wait on one), and adds them at
-// the end: the same bits on every instruction set (AVX2, AVX-512, NEON, SVE) and for any
-// number of rows, so a row's result never depends on its batch. (AVX512-BF16's vdpbf16ps ran at
-// half the speed of two FMAs on an AVX512-BF16 Xeon, and it and AMX round differently from
-// each other: neither is used here.) float32 weights are panels [K, 32], summed the same way.
+// the end: the same bits on every instruction set (AVX-512, AVX2 and SSE are tested; NEON by
+// the same arithmetic) and for any number of rows, so a row's result never depends on its
+// batch. (AVX512-BF16's vdpbf16ps ran at half the speed of two FMAs on an AVX512-BF16 Xeon, and
+// it and AMX each round differently from this kernel: this kernel uses neither.) float32
+// weights are panels [K, 32], summed the same way.
 
 // Vectors of the target's native width (a wider GCC vector would be split into registers
 // the compiler spills); a pass covers kPassCols of a panel's 32 columns for kVecRows rows, its
