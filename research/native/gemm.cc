@@ -381,19 +381,30 @@ constexpr int kBlockRows = 1;
 #endif
 
 typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
-typedef _Float16 vh __attribute__((vector_size(kLanes * 2)));
+typedef uint16_t vh __attribute__((vector_size(kLanes * 2)));
 
-// kLanes float16 values -> float32 (GCC 12 widens a _Float16 vector one lane at a time on x86,
-// so F16C's vcvtph2ps is asked for by name there).
+// float16 bits (one per 32-bit lane) -> float32, exactly: normal numbers rebias the exponent,
+// subnormals are their mantissa times 2^-24, infinities and NaNs keep an all-ones exponent.
+inline vf f16_bits_to_f32(vu h) {
+  const vu sign = (h & 0x8000u) << 16, em = h & 0x7FFFu;
+  const vu normal = sign | ((em << 13) + 0x38000000u);
+  const vu special = sign | 0x7F800000u | ((em & 0x3FFu) << 13);
+  const vf tiny = __builtin_convertvector(reinterpret_cast<vi>(em), vf) * 5.9604645e-8f;
+  const vu sub = sign | reinterpret_cast<vu>(tiny);
+  return reinterpret_cast<vf>(em < 0x400u ? sub : (em >= 0x7C00u ? special : normal));
+}
+
+// kLanes float16 values -> float32 (F16C's vcvtph2ps by name on x86: GCC 12 converts a
+// _Float16 vector one lane at a time, and has no _Float16 in C++ on ARM).
 inline vf load_f16(const uint8_t* p) {
-#if defined(__AVX512F__)
+#if defined(__x86_64__) && defined(__AVX512F__)
   return reinterpret_cast<vf>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
-#elif defined(__AVX__) && defined(__F16C__)
+#elif defined(__x86_64__) && defined(__AVX__) && defined(__F16C__)
   return reinterpret_cast<vf>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 #else
   vh h;
   __builtin_memcpy(&h, p, sizeof(h));
-  return __builtin_convertvector(h, vf);
+  return f16_bits_to_f32(__builtin_convertvector(h, vu));
 #endif
 }
 
@@ -640,6 +651,16 @@ ffi::Error GemmBlocksImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ff
 }  // namespace
 
 extern "C" int ResearchAmxReady() { return amx_ready() ? 1 : 0; }
+
+// Whether this build fuses multiply-adds (one rounding each): true wherever the target has FMA
+// (x86-64-v3 and later, every 64-bit ARM); an SSE-only build rounds the product and the sum.
+extern "C" int ResearchGemmFma() {
+#if defined(__FMA__) || defined(__aarch64__) || defined(__ARM_FEATURE_FMA)
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 // The vector kernel's instruction set in this build (what ``-march`` gave the compiler).
 extern "C" const char* ResearchGemmVectorIsa() {

@@ -127,6 +127,12 @@ def amx_available() -> bool:
     return available() and bool(native.library("gemm").ResearchAmxReady())
 
 
+def fused_multiply_add() -> bool:
+    """Whether the loaded library's kernels fuse each multiply-add (one rounding): wherever its
+    target has FMA (x86-64-v3 and later, 64-bit ARM)."""
+    return available() and bool(native.library("gemm").ResearchGemmFma())
+
+
 def kernel_name() -> str:
     """$RESEARCH_GEMM_KERNEL: "auto" (AMX where granted, else the vector kernel), "vector" or
     "amx"; a clear error for anything else."""
