@@ -275,8 +275,9 @@ def _load(family: str = "attention") -> bool:
         try:
             import jax
 
-            arch = resolve_march(_compiler()[0])
-            missing = missing_isa(_compiler()[0], arch)
+            compiler = _compiler()[0]
+            arch = resolve_march(compiler)  # a requested target is checked there
+            missing = missing_isa(compiler, arch) if arch == "native" else []
             if missing:  # -march=native assuming what /proc/cpuinfo does not list
                 raise RuntimeError(
                     f"a -march={arch} build assumes {', '.join(missing)}, which this CPU lacks"
