@@ -147,6 +147,31 @@ def test_a_rows_product_does_not_depend_on_its_batch(kernel, dtype):
         np.testing.assert_array_equal(product(x[rows], w, kernel), full[rows])
 
 
+@built
+def test_products_called_from_several_threads_at_once_stay_exact():
+    """The kernels share one process-wide pool of helper threads: products that run at the same
+    time (XLA runs independent kernels concurrently; so do threads) never take each other's
+    pieces of work."""
+    import concurrent.futures
+
+    rng = np.random.default_rng(5)
+    cases = []
+    for m, k, n in ((1, 576, 960), (3, 96, 1536), (64, 192, 320), (9, 1536, 576)):
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+        cases.append((x, gemm.pack(w), vector_reference(x, w)))
+    calls = [jax.jit(lambda a, b: gemm.matmul(a, b, kernel="vector")) for _ in cases]
+
+    def hammer(i):
+        x, w, want = cases[i]
+        for _ in range(40):
+            np.testing.assert_array_equal(np.asarray(calls[i](x, w)), want)
+
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        for f in [pool.submit(hammer, i) for i in range(len(cases))]:
+            f.result()
+
+
 def test_resolve_picks_xla_where_the_kernels_cannot_serve(monkeypatch):
     assert gemm.resolve("auto", jnp.float16) == "xla"
     assert gemm.resolve("xla", jnp.bfloat16) == "xla"
