@@ -3,6 +3,7 @@ vector kernel, and AMX where the CPU has it), side by side in one process (and t
 calls oneDNN, where torch is installed).
 
     python -m experiments.bench_gemm [--rows 1 16 64 2048] [--repeats 20]
+    python -m experiments.bench_gemm --chain [--rows 1] [--dtype bfloat16] [--kernel vector]
 
 For each (rows, in, out) shape of the model's projections it prints GFLOP/s and GB/s of weight
 reads (median of ``--repeats`` calls), and the larger of their fractions of the machine's
@@ -11,6 +12,11 @@ float32 result, as ``layers.matmul`` runs it), ``xla+cast`` (the same with its b
 runs it inside a step, where the cast fuses into the dot), ``vector`` and ``amx``
 (``research.native.gemm`` writing bfloat16) and ``torch``. Weights stay warm in cache between calls: this is the kernels'
 speed, not a step's (a read fraction past 1 means the weights came from cache, not memory).
+
+``--chain`` times what a decode step's projections read instead: every layer's weights (30
+layers of distinct random weights, 269 MB in bfloat16) and the output head, each product
+feeding the next, against ``jnp.sum`` over a buffer of the same bytes, the two alternating in
+one process; the ratio of their times is how close the projections come to a plain read.
 """
 
 from __future__ import annotations
@@ -25,7 +31,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 2048])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--chain", action="store_true", help="a step's projections vs a read")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--kernel", default="vector", choices=["auto", "vector", "amx"])
     args = parser.parse_args(argv)
+    if args.chain:
+        for m in args.rows:
+            chain(m, args.dtype, args.kernel, args.repeats)
+        return
 
     import jax
     import jax.numpy as jnp
@@ -83,6 +96,58 @@ def main(argv: list[str] | None = None) -> None:
                 roof = max(flops / flop_peak, nbytes / read_peak)
                 cells.append(f"{name} {flops / 1e9:7.0f} ({nbytes / 1e9:5.1f}) [{roof:.2f}]")
             print(f"{m:5d} {k:5d} {n:6d} | " + "  ".join(cells))
+
+
+def chain(rows: int, dtype: str, kernel: str, repeats: int, layers: int = 30) -> None:
+    """One decode step's projections of SmolLM2-135M's shapes (random weights, ``layers``
+    layers and the head), chained, against a read of the same bytes, alternating."""
+    import statistics
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from research.native import gemm
+
+    dt = jnp.dtype(dtype)
+    key = jax.random.key(0)
+    weights = []
+    for _ in range(layers):
+        for k, n in SHAPES[:4]:
+            key, sub = jax.random.split(key)
+            weights.append(gemm.pack((0.02 * jax.random.normal(sub, (k, n))).astype(dt)))
+    k, n = SHAPES[4]
+    head = gemm.pack((0.02 * jax.random.normal(key, (k, n))).astype(dt))
+    nbytes = sum(w.packed.nbytes for w in weights) + head.packed.nbytes
+
+    @jax.jit
+    def step(x, weights, head):
+        for i in range(layers):
+            qkv, o, gate_up, down = weights[4 * i : 4 * i + 4]
+            h = gemm.matmul(x, qkv, dt, kernel=kernel)[:, : x.shape[1]]
+            h = gemm.matmul(h, o, dt, kernel=kernel)
+            h = gemm.matmul(h, gate_up, dt, kernel=kernel)[:, : down.shape[0]]
+            x = x + gemm.matmul(h, down, dt, kernel=kernel)
+        return gemm.matmul(x, head, kernel=kernel)
+
+    buffer = jnp.ones(nbytes // 4, jnp.float32)
+    read = jax.jit(jnp.sum)
+    x = jnp.ones((rows, SHAPES[0][0]), dt)
+    runs = {"step": lambda: step(x, weights, head), "read": lambda: read(buffer)}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats + 1):  # the first round compiles and warms
+        for name, fn in runs.items():
+            t0 = time.perf_counter()
+            fn().block_until_ready()
+            times[name].append(time.perf_counter() - t0)
+    med = {name: statistics.median(t[1:]) for name, t in times.items()}
+    label = gemm.describe(dt) if kernel == "auto" or dt == jnp.float32 else kernel
+    print(
+        f"chain rows={rows} {label}: {nbytes / 1e6:.0f} MB; projections "
+        f"{med['step'] * 1e3:.2f} ms ({nbytes / med['step'] / 1e9:.1f} GB/s), read "
+        f"{med['read'] * 1e3:.2f} ms ({nbytes / med['read'] / 1e9:.1f} GB/s): "
+        f"{med['read'] / med['step']:.2f} of a read"
+    )
 
 
 if __name__ == "__main__":

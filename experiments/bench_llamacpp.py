@@ -13,7 +13,8 @@ Same weights per dtype: for each ``--dtype`` llama.cpp runs the GGUF requantized
 by its own ``llama-quantize --allow-requantize`` (the Q4_1 values widened, as ours widens them
 at load), and ours runs that dtype; each of our rows' ratio is against llama.cpp's row of the
 same dtype. ``--q4`` adds the GGUF as shipped (Q4_1 layers, a Q8_0 embedding): llama.cpp's row,
-against which ours are a comparison of weight formats, not of engines (labelled so). ``--gemm``
+against which ours are a comparison of weight formats, not of engines (labelled so): ours on
+the same blocks, and ours on AWQ int4 (the weights requantized at load, read as stored). ``--gemm``
 picks our projections' kernel: ``auto`` (AMX where the CPU has it, else the vector kernel),
 ``vector`` (what a CPU without AMX runs), ``amx``, or ``xla`` (XLA's dots). Ours runs every
 prefill in one step (``max_num_batched_tokens = B * npp``) so its ``ntg`` decode steps are as
@@ -414,6 +415,14 @@ def main(argv: list[str] | None = None) -> None:
         results[ours] = run_ours(
             "smollm2-135m", "bfloat16", args.npl, args.npp, args.ntg, peaks=peaks,
             quantization="gguf",
+        )  # fmt: skip
+        references[ours] = ref
+        # AWQ int4 (the bf16 weights requantized at load; groups of 64 or 128 input channels)
+        # read as stored: other 4-bit weights, the same bytes per weight as Q4_1
+        ours = "ours AWQ int4 (blocks, bf16 activations)"
+        results[ours] = run_ours(
+            "smollm2-135m", "bfloat16", args.npl, args.npp, args.ntg, peaks=peaks,
+            quantization="awq",
         )  # fmt: skip
         references[ours] = ref
     for dtype in args.dtype:

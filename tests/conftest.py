@@ -51,6 +51,7 @@ SLOW_TESTS = {
     "tests/test_native_gemm.py::test_smollm2_bf16_through_the_kernel_matches_xla",
     "tests/test_native_gemm.py::test_avx2_and_sse_builds_give_the_same_bits[x86-64-v2]",
     "tests/test_gguf_blocks.py::test_smollm2_as_stored_blocks_decodes_as_its_dequantized_twin",
+    "tests/test_gguf_blocks.py::test_smollm2_awq_through_the_block_kernel_decodes_as_xla_dequantizing",
     "tests/test_serve_text.py::test_streamed_text_equals_the_non_streamed_text_for_every_stop_string",
     "tests/test_speculative.py::test_smollm2_greedy_outputs_identical_with_ngram_speculation",
     "tests/test_engine_smollm2.py::test_memory_pressure_preempts_and_loses_nothing",

@@ -1,6 +1,7 @@
-"""GGUF's Q4_1 and Q8_0 blocks kept as stored (``quantization="gguf"``): the panel packing against
-``gguf``'s own dequantization, the native kernel against an exact emulation of its float32
-arithmetic (any CPU), and the engine on the bundled GGUF against its dequantized twin."""
+"""4-bit and 8-bit weights kept as stored: GGUF's Q4_1 and Q8_0 blocks (``quantization="gguf"``)
+and AWQ int4 (``quantization="awq"`` on the native path): the panel packing against ``gguf``'s
+and ``research.quant``'s own dequantization, the native kernel against an exact emulation of its
+float32 arithmetic (any CPU), and the engine against the dequantized model."""
 
 from __future__ import annotations
 
@@ -27,6 +28,21 @@ def random_blocks(fmt: str, n: int, k: int, seed: int) -> tuple[np.ndarray, np.n
     return rows, gguf.quants.dequantize(rows, TYPES[fmt]).reshape(n, k).T.astype(np.float32)
 
 
+def random_awq(n: int, k: int, seed: int, group: int = 64):
+    """A random W [K, N] quantized to AWQ int4 (``research.quant``) and its dequantization."""
+    from research.quant import dequantize, quantize
+
+    w = np.random.default_rng(seed).standard_normal((k, n)).astype(np.float32)
+    qt = quantize(jnp.asarray(w), "awq", group_size=group)
+    return qt, np.asarray(dequantize(qt), np.float32)
+
+
+def blocks(fmt: str, n: int, k: int, seed: int) -> gemm.BlockWeight:
+    if fmt == "awq":
+        return gemm.pack_blocks(gemm.awq_rows(random_awq(n, k, seed)[0]), "awq")
+    return gemm.pack_blocks(random_blocks(fmt, n, k, seed)[0], fmt)
+
+
 def f32(v):
     return np.asarray(v, np.float64).astype(np.float32)
 
@@ -35,7 +51,8 @@ def block_reference(x: np.ndarray, w: gemm.BlockWeight) -> np.ndarray:
     """The kernel's arithmetic, exactly: per column and 32-k block, two float32 sums of x times
     the codes (Q4_1: k < 16 and k >= 16; Q8_0: even and odd k), each a chain of fused
     multiply-adds (emulated in float64, exact for these products and sums, then rounded once),
-    then y = fma(d, s0 + s1, y) and, for Q4_1, y = fma(m, sum of x over the block, y)."""
+    then y = fma(d, s0 + s1, y) and, for Q4_1, y = fma(m, sum of x over the block, y) (AWQ:
+    m = -(d z), exact in float32)."""
     n = w.shape[1]
     p = np.asarray(w.packed)
     g, kbs = p.shape[:2]
@@ -45,8 +62,10 @@ def block_reference(x: np.ndarray, w: gemm.BlockWeight) -> np.ndarray:
         tile = p[:, kb]  # [g, bytes]
         d = tile[:, 0:64].copy().view(np.float16).astype(np.float64).reshape(-1)
         xb = x[:, kb * 32 : kb * 32 + 32]
-        if w.fmt == "q4_1":
+        if w.fmt != "q8_0":
             m = tile[:, 64:128].copy().view(np.float16).astype(np.float64).reshape(-1)
+            if w.fmt == "awq":  # the zero point: m = -(d z)
+                m = -(d * m)
             pairs = tile[:, 128:].reshape(g, 4, 32, 4)  # [g, word, c, byte]
             q = np.stack([pairs & 15, pairs >> 4], -1).transpose(1, 3, 4, 0, 2).reshape(32, n)
             chains = [[(kk, q[kk]) for kk in range(16)], [(kk, q[kk]) for kk in range(16, 32)]]
@@ -61,7 +80,7 @@ def block_reference(x: np.ndarray, w: gemm.BlockWeight) -> np.ndarray:
                 s = f32(np.outer(xb[:, kk], q.astype(np.float64)) + s)
             sums.append(s)
         y = f32(d * (sums[0] + sums[1]).astype(np.float64) + y)
-        if w.fmt == "q4_1":
+        if w.fmt != "q8_0":
             total = np.zeros(x.shape[0], np.float32)
             for j in range(32):
                 total = total + xb[:, j]
@@ -96,17 +115,27 @@ def test_panels_hold_exactly_the_files_blocks(bundled, name):
     gemm.available() and not gemm.fused_multiply_add(),
     reason="a build without FMA rounds each product before its sum (the emulation fuses them)",
 )
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "awq"])
 @pytest.mark.parametrize("m", [1, 2, 3, 65])
 def test_block_kernel_is_its_exact_float32_arithmetic(fmt, m):
-    rows, _ = random_blocks(fmt, 96, 128, seed=m)
-    w = gemm.pack_blocks(rows, fmt)
+    w = blocks(fmt, 96, 128, seed=m)
     x = np.random.default_rng(100 + m).standard_normal((m, 128)).astype(np.float32)
     y = np.asarray(jax.jit(gemm.block_matmul)(jnp.asarray(x), w))
     np.testing.assert_array_equal(y, block_reference(x, w))
     xb = jnp.asarray(x, jnp.bfloat16)  # bfloat16 rows are widened first: the same sums
     yb = np.asarray(jax.jit(gemm.block_matmul)(xb, w))
     np.testing.assert_array_equal(yb, block_reference(np.asarray(xb, np.float32), w))
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_awq_blocks_hold_exactly_the_dequantized_weights(group):
+    """AWQ codes, scales and zero points re-tiled (0.625 bytes per weight): every weight comes
+    back as ``research.quant.dequantize`` gives it, whatever the group size (a block shares
+    its group's scale and zero point)."""
+    qt, ref = random_awq(96, 256, seed=group, group=group)
+    w = gemm.pack_blocks(gemm.awq_rows(qt), "awq")
+    assert w.shape == (256, 96) and w.packed.nbytes == 256 * 96 * 5 // 8
+    np.testing.assert_array_equal(gemm.unpack_blocks(w), ref)
 
 
 @built
@@ -161,3 +190,45 @@ def test_smollm2_as_stored_blocks_decodes_as_its_dequantized_twin(smollm2_llm):
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
     want = [o.outputs[0].token_ids for o in smollm2_llm.generate(PROMPTS, sp)]
     assert got == want
+
+
+@built
+def test_smollm2_awq_through_the_block_kernel_decodes_as_xla_dequantizing():
+    """quantization="awq" on the native path: every projection a block weight of the AWQ
+    codes as stored (q/k/v and gate/up fused), decoding the parity prompts to the same greedy
+    tokens as XLA multiplying the dequantized weights (float32, so that path rounds no weight:
+    the two differ by summation order only)."""
+    from research import LLM, SamplingParams
+    from tests.test_parity_smollm2 import PROMPTS
+
+    kw = dict(max_model_len=1024, dtype="float32", quantization="awq")
+    ours = LLM("smollm2-135m", **kw)
+    xla = LLM("smollm2-135m", gemm_backend="xla", **kw)
+    lp = ours.engine.executor.params["layers"][0]
+    assert lp["wqkv"].fmt == "awq" and lp["w_gate_up"].epilogue == "swiglu"
+    assert isinstance(lp["w_down"], gemm.BlockWeight) and "wq" not in lp
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in ours.generate(PROMPTS, sp)]
+    want = [o.outputs[0].token_ids for o in xla.generate(PROMPTS, sp)]
+    assert got == want
+
+
+@built
+def test_awq_params_pack_into_fused_blocks_and_forward_as_dequantized():
+    """The fast tier's check of the above on a random-weight model: ``pack_params`` turns each
+    AWQ projection into blocks (q/k/v and gate/up fused), and the forward pass's hidden states
+    agree with XLA's on the dequantized weights to float32 rounding."""
+    from research.models.presets import get_preset
+    from research.models.transformer import ContiguousKVCache, forward, init_params
+    from research.quant import quantize_params
+
+    cfg = get_preset("tiny-llama")
+    params = quantize_params(init_params(cfg, jax.random.key(0)), "awq")
+    packed = gemm.pack_params(params, cfg.tie_word_embeddings)
+    assert {"wqkv", "wo", "w_gate_up", "w_down"} <= set(packed["layers"][0])
+    assert all(isinstance(packed["layers"][0][key], gemm.BlockWeight) for key in ("wqkv", "wo"))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9)))
+    positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
+    run = jax.jit(lambda p: forward(p, cfg, tokens, positions, ContiguousKVCache.create(cfg, 2, 9))[0])
+    ours, ref = np.asarray(run(packed)), np.asarray(run(params))
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5 * np.abs(ref).max())

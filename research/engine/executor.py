@@ -129,11 +129,14 @@ class ModelExecutor:
         "xla" leaves them to XLA, "auto" picks native where it serves."""
         sharded = plan is not None and plan.size > 1
         self.gemm_backend = native_gemm.resolve(gemm_backend, dtype, sharded)
-        if self.gemm_backend == "native":
-            params = native_gemm.pack_params(params, cfg.tie_word_embeddings)
         choice = choose_attention_backend(
             attention_backend, dtype, kv_cache_dtype, sharded=sharded, cfg=cfg
         )
+        if self.gemm_backend == "native":
+            # AWQ weights go to the block kernel unless the Pallas kernels were asked for
+            # (their quantized matmul reads the QTensor as it is).
+            awq = not choice.name.startswith("pallas")
+            params = native_gemm.pack_params(params, cfg.tie_word_embeddings, awq_blocks=awq)
         self.attention_choice = choice
         self.backend = choice.name
         self.cfg = cfg

@@ -357,23 +357,26 @@ void vec_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const T* x
   research_native::parallel_for(pool, row_units * groups, 4, run);
 }
 
-// ---- GGUF's 4-bit and 8-bit blocks as stored (Q4_1, Q8_0) ----------------------------------
+// ---- 4-bit and 8-bit blocks as stored (GGUF's Q4_1 and Q8_0, AWQ int4) ---------------------
 //
 // A block is 32 consecutive k of one output column with float16 scales: Q4_1 w = d q + m
-// (q 4-bit unsigned), Q8_0 w = d q (q int8). A panel of 32 columns keeps, per k block, its
+// (q 4-bit unsigned), Q8_0 w = d q (q int8), AWQ w = d (q - z) (q 4-bit unsigned, z its zero
+// point, an integer 0..15 held as a float16 in Q4_1's m slot). A panel of 32 columns keeps, per k block, its
 // columns' scales and then their codes, one 32-bit word per column and run of k (so a vector
 // lane is a column and the codes come out with shifts and masks, on any instruction set): a
 // product reads 0.625 (Q4_1) or 1.0625 (Q8_0) bytes per weight, as the file stores them.
 //   Q4_1 (640 bytes): d[32] f16, m[32] f16, then words [4][32]: word (g, c) holds column c's
 //                     codes for k = 8 g .. 8 g + 7, k = 8 g + t in bits 4 t .. 4 t + 3
+//   AWQ (640 bytes):  as Q4_1, with z[32] in place of m
 //   Q8_0 (1088 bytes): d[32] f16, then words [8][32]: word (g, c) holds column c's int8 codes
 //                      for k = 4 g .. 4 g + 3, k = 4 g + t in byte t
 // Per column and block: s = sum_k x_k q_k in float32 as two chains of fused multiply-adds in k
-// order (Q4_1: k < 16 and k >= 16; Q8_0: even and odd k), then y += d (s0 + s1), and for Q4_1
-// y += m sum_k x_k: sum_k x_k w_k rearranged, so it differs from a product with the dequantized
-// weights by float32 rounding only.
+// order (Q4_1, AWQ: k < 16 and k >= 16; Q8_0: even and odd k), then y += d (s0 + s1), and for
+// Q4_1 y += m sum_k x_k (AWQ: m = -(d z), exact in float32): sum_k x_k w_k rearranged, so it
+// differs from a product with the dequantized weights by float32 rounding only.
 
 constexpr int kQ41Bytes = 640, kQ80Bytes = 1088;
+constexpr int kFmtQ41 = 0, kFmtQ80 = 1, kFmtAwq = 2;  // the format attribute's codes
 #if defined(__AVX512F__)
 constexpr int kBlockRows = 2;
 #else
@@ -411,10 +414,11 @@ inline vf load_f16(const uint8_t* p) {
 inline vu load_words(const uint8_t* p) { return *reinterpret_cast<const vuu*>(p); }
 
 // c[i, c0 .. c0 + kPassCols] for rows i < R; x: float32 rows (row i at x + i * ldx); xsum:
-// each row's sum over each k block (row i at xsum + i * kbs; Q4_1 only).
-template <int R, bool kQ41>
+// each row's sum over each k block (row i at xsum + i * kbs; 4-bit formats only).
+template <int R, int kFmt>
 void block_rows(const uint8_t* panel, const float* x, int64_t ldx, const float* xsum,
                 int64_t kbs, int c0, float* c) {
+  constexpr bool kQ41 = kFmt != kFmtQ80;  // AWQ's codes are Q4_1's
   constexpr int kBytes = kQ41 ? kQ41Bytes : kQ80Bytes;
   vf acc[R][kPassVecs] = {};
   for (int64_t kb = 0; kb < kbs; ++kb) {
@@ -474,7 +478,8 @@ void block_rows(const uint8_t* panel, const float* x, int64_t ldx, const float* 
       const vf d = load_f16(blk + 2 * (c0 + v * kLanes));
       for (int i = 0; i < R; ++i) acc[i][v] += d * (s0[i][v] + s1[i][v]);
       if constexpr (kQ41) {
-        const vf m = load_f16(blk + 64 + 2 * (c0 + v * kLanes));
+        vf m = load_f16(blk + 64 + 2 * (c0 + v * kLanes));
+        if constexpr (kFmt == kFmtAwq) m = -(d * m);
         for (int i = 0; i < R; ++i) acc[i][v] += m * xsum[i * kbs + kb];
       }
     }
@@ -486,20 +491,20 @@ void block_rows(const uint8_t* panel, const float* x, int64_t ldx, const float* 
   }
 }
 
-template <int R, bool kQ41>
+template <int R, int kFmt>
 void block_rows_panel(const uint8_t* panel, const float* x, const float* xsum, int64_t k,
                       float* c) {
   for (int c0 = 0; c0 < 32; c0 += kPassCols) {
-    block_rows<R, kQ41>(panel, x, k, xsum, k / 32, c0, c);
+    block_rows<R, kFmt>(panel, x, k, xsum, k / 32, c0, c);
   }
 }
 
-// y = x @ W for a Q4_1 or Q8_0 panel stream w [N/32, K/32, bytes]; x float32 or bfloat16.
-template <bool kQ41>
+// y = x @ W for a Q4_1, Q8_0 or AWQ panel stream w [N/32, K/32, bytes]; x float32 or bfloat16.
+template <int kFmt>
 void block_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const void* xp,
                 bool x_bf16, const uint8_t* wp, const Output& out) {
   const int64_t groups = n / 32, kbs = k / 32;
-  const int64_t panel_bytes = kbs * (kQ41 ? kQ41Bytes : kQ80Bytes);
+  const int64_t panel_bytes = kbs * (kFmt == kFmtQ80 ? kQ80Bytes : kQ41Bytes);
   const int64_t row_units = (m + kVecUnitRows - 1) / kVecUnitRows;
   auto run = [=](int64_t begin, int64_t end) {
     alignas(64) float scratch[kBlockRows * 32];
@@ -537,9 +542,9 @@ void block_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const vo
         const float* xr = widened.data() + (m0 - m_begin) * k;
         const float* sr = sums.data() + (m0 - m_begin) * kbs;
         if (rows == kBlockRows) {
-          block_rows_panel<kBlockRows, kQ41>(panel, xr, sr, k, scratch);
+          block_rows_panel<kBlockRows, kFmt>(panel, xr, sr, k, scratch);
         } else {
-          block_rows_panel<1, kQ41>(panel, xr, sr, k, scratch);
+          block_rows_panel<1, kFmt>(panel, xr, sr, k, scratch);
         }
         out.write(scratch, rows, m0, g);
       }
@@ -613,17 +618,17 @@ ffi::Error GemmF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   return ffi::Error::Success();
 }
 
-// x [M, K] float32 or bfloat16 @ W as GGUF blocks in panels [N/32, K/32, bytes] (uint8), format
-// 0: Q4_1, 1: Q8_0 -> y [M, N] (or the swiglu half) float32 or bfloat16.
+// x [M, K] float32 or bfloat16 @ W as blocks in panels [N/32, K/32, bytes] (uint8), format
+// 0: Q4_1, 1: Q8_0, 2: AWQ -> y [M, N] (or the swiglu half) float32 or bfloat16.
 ffi::Error GemmBlocksImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w,
                           int32_t format, int32_t epilogue, ffi::Result<ffi::AnyBuffer> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto yd = y->dimensions();
   const bool swiglu = epilogue == 1;
-  const int64_t bytes = format == 0 ? kQ41Bytes : kQ80Bytes;
-  if (format < 0 || format > 1 || epilogue < 0 || epilogue > 1) {
-    return ffi::Error::InvalidArgument("gemm_blocks: format must be 0 or 1, epilogue 0 or 1");
+  const int64_t bytes = format == kFmtQ80 ? kQ80Bytes : kQ41Bytes;
+  if (format < 0 || format > 2 || epilogue < 0 || epilogue > 1) {
+    return ffi::Error::InvalidArgument("gemm_blocks: format must be 0, 1 or 2, epilogue 0 or 1");
   }
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != bytes ||
       xd[1] != wd[1] * 32 || yd[0] != xd[0] || yd[1] != wd[0] * (swiglu ? 16 : 32)) {
@@ -639,10 +644,14 @@ ffi::Error GemmBlocksImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ff
     const Output out{y->untyped_data(), y->element_type() == ffi::DataType::BF16, swiglu, yd[1]};
     const bool x_bf16 = xt == ffi::DataType::BF16;
     const auto* wp = reinterpret_cast<const uint8_t*>(w.untyped_data());
-    if (format == 0) {
-      block_gemm<true>(pool, xd[0], xd[1], wd[0] * 32, x.untyped_data(), x_bf16, wp, out);
+    const int64_t m = xd[0], k = xd[1], n = wd[0] * 32;
+    const void* xp = x.untyped_data();
+    if (format == kFmtQ41) {
+      block_gemm<kFmtQ41>(pool, m, k, n, xp, x_bf16, wp, out);
+    } else if (format == kFmtQ80) {
+      block_gemm<kFmtQ80>(pool, m, k, n, xp, x_bf16, wp, out);
     } else {
-      block_gemm<false>(pool, xd[0], xd[1], wd[0] * 32, x.untyped_data(), x_bf16, wp, out);
+      block_gemm<kFmtAwq>(pool, m, k, n, xp, x_bf16, wp, out);
     }
   }
   return ffi::Error::Success();

@@ -12,7 +12,9 @@ weights into ``PackedWeight`` leaves, each 32 output columns one contiguous pane
   AVX512-BF16's ``vdpbf16ps`` where present, ARM NEON/SVE). Both accumulate each output in
   float32 in the same order (k pair by k pair, the odd product first), so they give the same
   bits, and a row's result never depends on which other rows share its call;
-- float32: the vector kernel.
+- float32: the vector kernel;
+- 4-bit and 8-bit weights as stored (``BlockWeight``): GGUF's Q4_1 and Q8_0 blocks
+  (``quantization="gguf"``) and AWQ int4 (``awq_layer``), widened in registers.
 
 ``$RESEARCH_GEMM_KERNEL=vector`` makes bfloat16 products skip AMX (what a CPU without it runs).
 Everything else (norms, RoPE, attention, sampling) stays in XLA. Where the library did not
@@ -183,11 +185,13 @@ def resolve(backend: str, dtype: Any, sharded: bool = False) -> str:
     return backend
 
 
-def pack_params(params: dict, tie_word_embeddings: bool) -> dict:
+def pack_params(params: dict, tie_word_embeddings: bool, awq_blocks: bool = True) -> dict:
     """A model's params with its bfloat16 or float32 projections packed: q, k and v as one ``wqkv``, a
     dense MLP's gate and up as one ``w_gate_up`` (silu(gate) * up in the kernel's epilogue),
     the others one by one; weights that do not tile stay. A tied embedding gains a packed
-    ``lm_head`` beside it (the lookup keeps reading ``embed``)."""
+    ``lm_head`` beside it (the lookup keeps reading ``embed``). ``awq_blocks``: AWQ int4
+    projections (``research.quant.QTensor``) become ``BlockWeight`` blocks of the same codes,
+    scales and zero points (``awq_rows``), fused the same way, read as stored."""
 
     def fits(*ws: Any, transposed: bool = False) -> bool:
         for w in ws:
@@ -200,12 +204,14 @@ def pack_params(params: dict, tie_word_embeddings: bool) -> dict:
 
     def layer(lp: dict) -> dict:
         out = dict(lp)
-        qkv = [lp.get(key) for key in ("wq", "wk", "wv")]
+        if awq_blocks:
+            out = awq_layer(out)
+        qkv = [out.get(key) for key in ("wq", "wk", "wv")]
         if fits(*qkv):
             out["wqkv"] = pack_qkv(*qkv)
             for key in ("wq", "wk", "wv"):
                 del out[key]
-        gate, up = lp.get("w_gate"), lp.get("w_up")
+        gate, up = out.get("w_gate"), out.get("w_up")
         if fits(gate, up):
             out["w_gate_up"] = pack_gate_up(gate, up)
             del out["w_gate"], out["w_up"]
@@ -220,6 +226,62 @@ def pack_params(params: dict, tie_word_embeddings: bool) -> dict:
         out["lm_head"] = pack(params["lm_head"])
     elif "lm_head" not in params and tie_word_embeddings and fits(params["embed"], transposed=True):
         out["lm_head"] = pack(params["embed"], transposed=True)
+    return out
+
+
+def awq_tiles(w: Any) -> bool:
+    """Whether ``w`` is a 2-D AWQ int4 ``QTensor`` the block kernel reads as stored: in and out
+    features multiples of 32, groups a multiple of 32 input channels."""
+    from research.quant import QTensor
+
+    return (
+        isinstance(w, QTensor)
+        and w.fmt == "awq"
+        and len(w.shape) == 2
+        and tiles(*w.shape)
+        and w.group_size % 32 == 0
+    )
+
+
+def awq_rows(w: Any) -> np.ndarray:
+    """An AWQ ``QTensor`` W [K, N] as block rows [N, K/32 * 20] uint8 in Q4_1's block layout
+    (``pack_blocks``), one row per output column: per 32 k, the group's float16 scale, its zero
+    point as a float16 (in Q4_1's m slot), and the 4-bit codes (k = j in byte j's low nibble,
+    k = j + 16 in its high one), so each weight is scale * (code - zero) exactly."""
+    from research.quant.formats import awq_unpack
+
+    if not awq_tiles(w):
+        raise ValueError(f"{w!r} is not a 2-D AWQ weight that tiles in 32 x 32 blocks")
+    k, n = w.shape
+    kbs = k // 32
+    q = np.asarray(awq_unpack(w.codes)).T.reshape(n, kbs, 32)  # [N, K/32, 32 k]
+    group = np.arange(kbs) * 32 // w.group_size  # each k block's group
+    scale = np.ascontiguousarray(np.asarray(w.scales, np.float16)[group].T)  # [N, K/32]
+    zero = np.ascontiguousarray(np.asarray(awq_unpack(w.zeros))[group].T.astype(np.float16))
+    codes = q[..., :16] | (q[..., 16:] << 4)
+    rows = np.concatenate(
+        [scale.view(np.uint8).reshape(n, kbs, 2), zero.view(np.uint8).reshape(n, kbs, 2), codes],
+        axis=-1,
+    )
+    return rows.reshape(n, kbs * 20)
+
+
+def awq_layer(lp: dict) -> dict:
+    """A layer's AWQ projections as ``BlockWeight`` blocks: q, k and v fused as ``wqkv``, gate
+    and up as ``w_gate_up`` (the swiglu epilogue), the rest one by one; others stay."""
+    out = dict(lp)
+    if all(awq_tiles(lp.get(key)) for key in ("wq", "wk", "wv")):
+        rows = np.concatenate([awq_rows(lp[key]) for key in ("wq", "wk", "wv")])
+        out["wqkv"] = pack_blocks(rows, "awq")
+        for key in ("wq", "wk", "wv"):
+            del out[key]
+    if awq_tiles(lp.get("w_gate")) and awq_tiles(lp.get("w_up")):
+        rows = gate_up_rows(awq_rows(lp["w_gate"]), awq_rows(lp["w_up"]))
+        out["w_gate_up"] = pack_blocks(rows, "awq", "swiglu")
+        del out["w_gate"], out["w_up"]
+    for key in PACKED_KEYS:
+        if awq_tiles(out.get(key)):
+            out[key] = pack_blocks(awq_rows(out[key]), "awq")
     return out
 
 
@@ -252,17 +314,19 @@ def matmul(
 
 # ---------------------------------------------------------------- GGUF blocks as stored
 
-# GGUF block formats the kernel reads as stored: bytes of one 32-weight block in the file, and
-# of one (32 columns x 32 k) tile of a panel (``gemm.cc``: scales, then codes k-major)
-BLOCK_FORMATS = {"q4_1": (20, 640), "q8_0": (34, 1088)}
+# Block formats the kernel reads as stored: bytes of one 32-weight block (GGUF's, in the file),
+# of one (32 columns x 32 k) tile of a panel (``gemm.cc``: scales, then codes k-major), and the
+# kernel's format code. "awq" is Q4_1's layout with the zero point where Q4_1 keeps m.
+BLOCK_FORMATS = {"q4_1": (20, 640, 0), "q8_0": (34, 1088, 1), "awq": (20, 640, 2)}
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class BlockWeight:
-    """A weight W [K, N] kept as GGUF stores it (Q4_1: w = d q + m, q 4-bit; Q8_0: w = d q, q
-    int8; float16 d and m per 32 k of one column), re-tiled into 32-column panels:
-    packed [N/32, K/32, panel bytes] uint8 (``gemm.cc`` gives the tile layout)."""
+    """A weight W [K, N] kept as stored (GGUF's Q4_1: w = d q + m, q 4-bit; Q8_0: w = d q, q
+    int8; AWQ: w = d (q - z), q 4-bit; float16 d, m and z per 32 k of one column), re-tiled
+    into 32-column panels: packed [N/32, K/32, panel bytes] uint8 (``gemm.cc`` gives the tile
+    layout)."""
 
     packed: jax.Array
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
@@ -279,11 +343,11 @@ class BlockWeight:
 
 
 def pack_blocks(rows: np.ndarray, fmt: str, epilogue: str = "") -> BlockWeight:
-    """GGUF's bytes of a weight with N output columns ([N, K/32 * block bytes] uint8, one column
-    per row, as ``GGUFReader`` gives them) -> BlockWeight (W [K, N])."""
+    """The blocks of a weight with N output columns ([N, K/32 * block bytes] uint8, one column
+    per row, as ``GGUFReader`` gives them, or ``awq_rows``) -> BlockWeight (W [K, N])."""
     if fmt not in BLOCK_FORMATS:
-        raise ValueError(f"GGUF block format {fmt!r} is not one of {sorted(BLOCK_FORMATS)}")
-    block, _ = BLOCK_FORMATS[fmt]
+        raise ValueError(f"block format {fmt!r} is not one of {sorted(BLOCK_FORMATS)}")
+    block = BLOCK_FORMATS[fmt][0]
     rows = np.ascontiguousarray(rows, np.uint8)
     n, width = rows.shape
     if width % block or n % 32:
@@ -291,7 +355,7 @@ def pack_blocks(rows: np.ndarray, fmt: str, epilogue: str = "") -> BlockWeight:
     kbs = width // block
     tiles = rows.reshape(n // 32, 32, kbs, block).transpose(0, 2, 1, 3)  # [g, kb, c, bytes]
     d = tiles[..., 0:2].reshape(n // 32, kbs, 64)
-    if fmt == "q4_1":  # codes [g, kb, c, 32 k] -> words [g, kb, 4, c]: 8 k per 32-bit word
+    if fmt != "q8_0":  # codes [g, kb, c, 32 k] -> words [g, kb, 4, c]: 8 k per 32-bit word
         m = tiles[..., 2:4].reshape(n // 32, kbs, 64)
         packed4 = tiles[..., 4:20]  # byte j: k = j (low nibble), k = j + 16 (high nibble)
         codes = np.concatenate([packed4 & 15, packed4 >> 4], axis=-1)  # [g, kb, c, k]
@@ -316,17 +380,21 @@ def gate_up_rows(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 
 def unpack_blocks(w: BlockWeight) -> np.ndarray:
-    """BlockWeight -> W [K, N] float32, each weight d q + m (Q4_1) or d q (Q8_0) in float32."""
+    """BlockWeight -> W [K, N] float32, each weight d q + m (Q4_1), d q (Q8_0) or d (q - z)
+    (AWQ) in float32."""
     k, n = w.shape
     p = np.asarray(w.packed)
     g, kbs = p.shape[0], p.shape[1]
     d = p[..., 0:64].copy().view(np.float16).astype(np.float32)  # [g, kb, c]
-    if w.fmt == "q4_1":
+    if w.fmt != "q8_0":
         m = p[..., 64:128].copy().view(np.float16).astype(np.float32)
         pairs = p[..., 128:].reshape(g, kbs, 4, 32, 4)  # [g, kb, word, c, byte]
         q = np.stack([pairs & 15, pairs >> 4], axis=-1)  # [g, kb, word, c, byte, nibble]
         q = q.transpose(0, 1, 2, 4, 5, 3).reshape(g, kbs, 32, 32).astype(np.float32)  # [.., k, c]
-        vals = d[:, :, None, :] * q + m[:, :, None, :]
+        if w.fmt == "awq":  # m holds the zero point
+            vals = d[:, :, None, :] * (q - m[:, :, None, :])
+        else:
+            vals = d[:, :, None, :] * q + m[:, :, None, :]
     else:
         q = p[..., 64:].reshape(g, kbs, 8, 32, 4).transpose(0, 1, 2, 4, 3).reshape(g, kbs, 32, 32)
         vals = d[:, :, None, :] * q.view(np.int8).astype(np.float32)
@@ -350,7 +418,7 @@ def block_matmul(x: jax.Array, w: BlockWeight, out_dtype: Any = jnp.float32) -> 
     y = call(
         x2,
         w.packed,
-        format=np.int32(0 if w.fmt == "q4_1" else 1),
+        format=np.int32(BLOCK_FORMATS[w.fmt][2]),
         epilogue=np.int32(1 if w.epilogue == "swiglu" else 0),
     )
     return y.reshape(*lead, w.out_features)
