@@ -63,10 +63,11 @@ def test_pack_round_trips_and_rejects_shapes_that_do_not_tile(transposed):
 @built
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 17, 64, 65, 130])
 def test_vector_kernel_is_its_exact_float32_arithmetic(m):
-    """Row counts across the kernel's row blocks (4 or 2), tails and 64-row units; every
-    output bit equals the emulation's, on whatever instruction set this build targets."""
+    """Row counts across the kernel's row blocks (4 or 2), tails and 64-row units, and k
+    across its steps (4 blocks of 32); every output bit equals the emulation's, on whatever
+    instruction set this build targets."""
     rng = np.random.default_rng(m)
-    k, n = 96, 160
+    k, n = 224, 160
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
     y = product(x, gemm.pack(w), "vector")
