@@ -207,6 +207,20 @@ def decode_roofline(
             r["flop_frac"] = r["pl"] * flops_per_row / step_s / flop_peak
 
 
+def read_bandwidth_now(mib: int = 256, repeats: int = 7) -> float:
+    """Bytes/s of a plain read (``jnp.sum`` over ``mib`` MiB, median of ``repeats``) right now:
+    each engine's rows are held against the read rate of their own minutes, since a shared
+    host's moves by more than the gaps being measured."""
+    import jax
+    import jax.numpy as jnp
+
+    from research.perf.host_peaks import median_seconds
+
+    x = jnp.ones((mib << 20) // 4, jnp.float32)
+    total = jax.jit(jnp.sum)
+    return x.nbytes / median_seconds(lambda: total(x).block_until_ready(), repeats)
+
+
 def gguf_weight_bytes(gguf: Path) -> int:
     """Bytes of every tensor in ``gguf`` as stored (what llama.cpp reads per decode step: the
     tied Q8_0 embedding is its output projection too)."""
@@ -262,7 +276,8 @@ def run_ours(
     """Our engine on llama-batched-bench's workload: per batch size ``B``, ``B`` random prompts
     of ``npp`` tokens prefilled in one step, then ``ntg`` decode steps (``ntg + 1`` tokens: the
     first comes from the prefill). An untimed pass compiles; the timed one must trace nothing.
-    ``peaks`` (``host_peaks()``): each row gets its ``decode_roofline`` fractions. ``gemm``:
+    ``peaks`` (``host_peaks()``): each row gets its ``decode_roofline`` fractions (reads against
+    ``read_bandwidth_now()`` after the rows, kept as ``window_read``). ``gemm``:
     "xla" (XLA's dots), else the native kernels' ``$RESEARCH_GEMM_KERNEL`` ("auto", "vector",
     "amx"). ``quantization="gguf"``: the GGUF's Q4_1 / Q8_0 blocks as stored (``dtype`` is
     then the activations')."""
@@ -322,15 +337,49 @@ def run_ours(
         if lookup is not None:
             read, weights = read - lookup.nbytes, weights - lookup.size
         itemsize = np.dtype(llm.dtype).itemsize
+        window = read_bandwidth_now()
+        for r in rows:
+            r["window_read"] = window
         decode_roofline(
             rows,
             read,
             llm.model_config.kv_bytes_per_token(itemsize),
-            peaks["bandwidth"],
+            window,
             2.0 * weights,
             peaks["bf16_flops" if itemsize == 2 else "flops"],
         )
     return rows
+
+
+def median_rounds(
+    rounds: list[dict[str, list[dict[str, Any]]]], references: dict[str, str]
+) -> dict[str, list[dict[str, Any]]]:
+    """Rounds of the same comparison -> one: every number the median over rounds, and each
+    row with a reference its ``ratio``, the median of each round's own S_TG ratio (the two
+    engines ran minutes apart inside a round, rounds further apart); ``rounds`` keeps the
+    per-round rows."""
+    import statistics
+
+    if len(rounds) == 1:
+        return rounds[0]
+    merged: dict[str, list[dict[str, Any]]] = {}
+    for name in rounds[0]:
+        rows = []
+        for i, first in enumerate(rounds[0][name]):
+            same = [rnd[name][i] for rnd in rounds]
+            row = dict(first)
+            for key, value in first.items():
+                if isinstance(value, float):
+                    row[key] = statistics.median(r[key] for r in same)
+            ref = references.get(name)
+            if ref is not None:
+                row["ratio"] = statistics.median(
+                    r["speed_tg"] / rnd[ref][i]["speed_tg"] for r, rnd in zip(same, rounds)
+                )
+            row["rounds"] = same
+            rows.append(row)
+        merged[name] = rows
+    return merged
 
 
 def table(results: dict[str, list[dict[str, Any]]], reference: str | dict[str, str] | None) -> str:
@@ -356,7 +405,8 @@ def table(results: dict[str, list[dict[str, Any]]], reference: str | dict[str, s
             one = by_b[n].get(1)
             gain = f"{r['speed_tg'] / one['speed_tg']:5.1f}x" if one else "     -"
             ref = by_b.get(refs.get(n) or "", {}).get(b)
-            ratio = f"{r['speed_tg'] / ref['speed_tg']:5.2f}x" if ref else "     -"
+            value = r.get("ratio", r["speed_tg"] / ref["speed_tg"] if ref else None)
+            ratio = f"{value:5.2f}x" if value is not None and ref else "     -"
             fracs = [r[k] for k in ("read_frac", "flop_frac") if k in r]
             roof = f" [{max(fracs):.2f}]" if fracs else ""
             cells.append(f"{r['speed_pp']:7.0f} {r['speed_tg']:7.1f}  {gain} {ratio}{roof}")
@@ -381,6 +431,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--build", metavar="DIR", help=f"build {BINARY} here (once) and use it")
     parser.add_argument("--llama-args", default="",
                         help=f"more {BINARY} flags, e.g. -nr (no weight repacking)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat the whole comparison; each cell is the median over rounds "
+                        "and each ratio the median of the rounds' own ratios")  # fmt: skip
     parser.add_argument("--json", help="write every row here")
     args = parser.parse_args(argv)
 
@@ -396,6 +449,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     results: dict[str, list[dict[str, Any]]] = {}
     references: dict[str, str] = {}
+    rounds: list[dict[str, list[dict[str, Any]]]] = []
     extra = shlex.split(args.llama_args)
     flags = f" {' '.join(extra)}" if extra else ""
     kv = get_preset("smollm2-135m").kv_bytes_per_token(2)  # llama.cpp's KV cache is float16
@@ -404,47 +458,62 @@ def main(argv: list[str] | None = None) -> None:
         rows, info = run_llamacpp(binary, path, args.npl, args.npp, args.ntg, args.threads, extra)
         if args.build:
             info = f"{info or 'llama.cpp'} ({LLAMA_CPP_PYTHON})"
-        decode_roofline(rows, gguf_weight_bytes(path), kv, peaks["bandwidth"])
+        window = read_bandwidth_now()  # the read rate of the minutes these rows ran in
+        for r in rows:
+            r["window_read"] = window
+        decode_roofline(rows, gguf_weight_bytes(path), kv, window)
         name = f"{info or 'llama.cpp'} {label}{flags}"
         results[name] = rows
         return name
 
-    if args.q4:  # the same Q4_1 / Q8_0 blocks on both sides
-        ref = llamacpp(gguf, "Q4_1")
-        ours = "ours Q4_1 (gguf blocks, bf16 activations)"
-        results[ours] = run_ours(
-            "smollm2-135m", "bfloat16", args.npl, args.npp, args.ntg, peaks=peaks,
-            quantization="gguf",
-        )  # fmt: skip
-        references[ours] = ref
-        # AWQ int4 (the bf16 weights requantized at load; groups of 64 or 128 input channels)
-        # read as stored: other 4-bit weights, the same bytes per weight as Q4_1
-        ours = "ours AWQ int4 (blocks, bf16 activations)"
-        results[ours] = run_ours(
-            "smollm2-135m", "bfloat16", args.npl, args.npp, args.ntg, peaks=peaks,
-            quantization="awq",
-        )  # fmt: skip
-        references[ours] = ref
-    for dtype in args.dtype:
-        ref = llamacpp(requantize(quantize, gguf, dtype, weights_dir), GGUF_TYPES[dtype])
-        ours = f"ours {dtype} ({args.gemm})"
-        results[ours] = run_ours(
-            "smollm2-135m", dtype, args.npl, args.npp, args.ntg, peaks=peaks, gemm=args.gemm
-        )
-        references[ours] = ref
-        if args.gemm != "xla":
-            print(f"ours {dtype}: projections through {gemm.describe(dtype)}")
+    for _ in range(args.rounds):  # llama.cpp and ours alternate inside each round
+        results = {}
+        if args.q4:  # the same Q4_1 / Q8_0 blocks on both sides
+            ref = llamacpp(gguf, "Q4_1")
+            ours = "ours Q4_1 (gguf blocks, bf16 activations)"
+            results[ours] = run_ours(
+                "smollm2-135m", "bfloat16", args.npl, args.npp, args.ntg, peaks=peaks,
+                quantization="gguf",
+            )  # fmt: skip
+            references[ours] = ref
+            # AWQ int4 (the bf16 weights requantized at load; groups of 64 or 128 input channels)
+            # read as stored: other 4-bit weights, the same bytes per weight as Q4_1
+            ours = "ours AWQ int4 (blocks, bf16 activations)"
+            results[ours] = run_ours(
+                "smollm2-135m", "bfloat16", args.npl, args.npp, args.ntg, peaks=peaks,
+                quantization="awq",
+            )  # fmt: skip
+            references[ours] = ref
+        for dtype in args.dtype:
+            ref = llamacpp(requantize(quantize, gguf, dtype, weights_dir), GGUF_TYPES[dtype])
+            ours = f"ours {dtype} ({args.gemm})"
+            results[ours] = run_ours(
+                "smollm2-135m", dtype, args.npl, args.npp, args.ntg, peaks=peaks, gemm=args.gemm
+            )
+            references[ours] = ref
+            if args.gemm != "xla" and not rounds:
+                print(f"ours {dtype}: projections through {gemm.describe(dtype)}")
+        rounds.append(results)
+    results = median_rounds(rounds, references)
     print(
         f"SmolLM2-135M ({gguf.name}; F32 and BF16 requantized from it by {QUANTIZE}), "
         f"{args.npp} prompt + {args.ntg} generated tokens per sequence, {args.threads} threads "
-        f"for llama.cpp, {len(os.sched_getaffinity(0))} cores for ours, one run from {started}; "
-        "gain: S_TG over B=1, ratio: ours' S_TG over llama.cpp's on the same dtype"
+        f"for llama.cpp, {len(os.sched_getaffinity(0))} cores for ours, {args.rounds} round(s) "
+        f"from {started}; gain: S_TG over B=1, ratio: ours' S_TG over llama.cpp's on the same "
+        "dtype" + (" (medians over rounds)" if args.rounds > 1 else "")
     )
     print(table(results, references))
+    windows = ", ".join(
+        f"{n.split(' (')[0]} {rows[0]['window_read'] / 1e9:.1f}"
+        for n, rows in results.items()
+        if rows and "window_read" in rows[0]
+    )
     print(
-        f"roof: the decode step's fraction of this machine's roofline ({peaks['bandwidth'] / 1e9:.1f}"
-        f" GB/s reads, {peaks['bf16_flops'] / 1e9:.0f} GFLOP/s bf16 and {peaks['flops'] / 1e9:.0f}"
-        " float32 GEMM; llama.cpp: reads only)"
+        "roof: the decode step's fraction of this machine's roofline: reads (the weights once "
+        "plus every row's cache) against a plain read timed right after each column's rows "
+        f"(GB/s: {windows}; cached peak {peaks['bandwidth'] / 1e9:.1f}), and "
+        f"{peaks['bf16_flops'] / 1e9:.0f} GFLOP/s bf16 and {peaks['flops'] / 1e9:.0f} float32 "
+        "GEMM (llama.cpp: reads only)"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

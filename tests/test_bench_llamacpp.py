@@ -97,3 +97,24 @@ def test_decode_roofline_charges_weights_once_and_every_rows_cache():
     reads_only = [dict(rows[0])]
     del reads_only[0]["flop_frac"]
     assert bench.table({"x": reads_only}, None).splitlines()[-1].endswith("[2.48]")
+
+
+def test_rounds_merge_into_medians_and_the_median_of_each_rounds_own_ratio():
+    """Three rounds on a host whose speed moves: ours at 2x, 1x and 3x llama.cpp's S_TG in
+    rounds where both move together. The ratio is the median of the rounds' ratios (2.0), not
+    the ratio of the medians (300 / 200 = 1.5)."""
+    ref = [100.0, 400.0, 200.0]
+    ours = [200.0, 400.0, 600.0]
+    rounds = [
+        {
+            "llama.cpp": [dict(pl=1, speed_pp=1.0, speed_tg=r)],
+            "ours": [dict(pl=1, speed_pp=1.0, speed_tg=o)],
+        }
+        for r, o in zip(ref, ours, strict=True)
+    ]
+    merged = bench.median_rounds(rounds, {"ours": "llama.cpp"})
+    assert merged["ours"][0]["speed_tg"] == 400.0 and merged["llama.cpp"][0]["speed_tg"] == 200.0
+    assert merged["ours"][0]["ratio"] == pytest.approx(2.0)
+    assert len(merged["ours"][0]["rounds"]) == 3
+    row = bench.table(merged, {"ours": "llama.cpp"}).splitlines()[-1]
+    assert row.split("|")[2].split()[-1] == "2.00x"
