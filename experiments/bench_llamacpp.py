@@ -374,7 +374,8 @@ def median_rounds(
             ref = references.get(name)
             if ref is not None:
                 row["ratio"] = statistics.median(
-                    r["speed_tg"] / rnd[ref][i]["speed_tg"] for r, rnd in zip(same, rounds)
+                    r["speed_tg"] / rnd[ref][i]["speed_tg"]
+                    for r, rnd in zip(same, rounds, strict=True)
                 )
             row["rounds"] = same
             rows.append(row)

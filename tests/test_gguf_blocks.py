@@ -229,6 +229,8 @@ def test_awq_params_pack_into_fused_blocks_and_forward_as_dequantized():
     assert all(isinstance(packed["layers"][0][key], gemm.BlockWeight) for key in ("wqkv", "wo"))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9)))
     positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
-    run = jax.jit(lambda p: forward(p, cfg, tokens, positions, ContiguousKVCache.create(cfg, 2, 9))[0])
+    run = jax.jit(
+        lambda p: forward(p, cfg, tokens, positions, ContiguousKVCache.create(cfg, 2, 9))[0]
+    )
     ours, ref = np.asarray(run(packed)), np.asarray(run(params))
     np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
