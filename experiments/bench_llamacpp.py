@@ -471,20 +471,15 @@ def main(argv: list[str] | None = None) -> None:
         results = {}
         if args.q4:  # the same Q4_1 / Q8_0 blocks on both sides
             ref = llamacpp(gguf, "Q4_1")
-            ours = "ours Q4_1 (gguf blocks, bf16 activations)"
-            results[ours] = run_ours(
-                "smollm2-135m", "bfloat16", args.npl, args.npp, args.ntg, peaks=peaks,
-                quantization="gguf",
-            )  # fmt: skip
-            references[ours] = ref
-            # AWQ int4 (the bf16 weights requantized at load; groups of 64 or 128 input channels)
-            # read as stored: other 4-bit weights, the same bytes per weight as Q4_1
-            ours = "ours AWQ int4 (blocks, bf16 activations)"
-            results[ours] = run_ours(
-                "smollm2-135m", "bfloat16", args.npl, args.npp, args.ntg, peaks=peaks,
-                quantization="awq",
-            )  # fmt: skip
-            references[ours] = ref
+            # and AWQ int4 (the bf16 weights requantized at load; groups of 64 or 128 input
+            # channels) read as stored: other 4-bit weights, as many bytes per weight as Q4_1
+            for quant, ours in (("gguf", "ours Q4_1 (gguf blocks, bf16 activations)"),
+                                ("awq", "ours AWQ int4 (blocks, bf16 activations)")):  # fmt: skip
+                results[ours] = run_ours(
+                    "smollm2-135m", "bfloat16", args.npl, args.npp, args.ntg, peaks=peaks,
+                    quantization=quant,
+                )  # fmt: skip
+                references[ours] = ref
         for dtype in args.dtype:
             ref = llamacpp(requantize(quantize, gguf, dtype, weights_dir), GGUF_TYPES[dtype])
             ours = f"ours {dtype} ({args.gemm})"

@@ -170,13 +170,21 @@ def test_gguf_quantization_is_refused_where_it_cannot_run():
         LLM("smollm2-135m", quantization="gguf", gemm_backend="xla")
 
 
+def greedy(llm, tokens: int) -> list[list[int]]:
+    """``llm``'s greedy tokens on the parity prompts."""
+    from research import SamplingParams
+    from tests.test_parity_smollm2 import PROMPTS
+
+    sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
+
+
 @built
 def test_smollm2_as_stored_blocks_decodes_as_its_dequantized_twin(smollm2_llm):
     """float32 activations: the blocks hold exactly the dequantized model's weights, so logits
     differ by summation order only and greedy tokens on the parity prompts are identical."""
-    from research import LLM, SamplingParams
+    from research import LLM
     from research.models.transformer import compute_logits
-    from tests.test_parity_smollm2 import PROMPTS
 
     llm = LLM("smollm2-135m", max_model_len=1024, dtype="float32", quantization="gguf")
     params = llm.engine.executor.params
@@ -186,10 +194,7 @@ def test_smollm2_as_stored_blocks_decodes_as_its_dequantized_twin(smollm2_llm):
     ours = np.asarray(compute_logits(params, llm.model_config, hidden))
     ref = np.asarray(compute_logits(smollm2_llm.params, llm.model_config, hidden))
     np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
-    sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
-    want = [o.outputs[0].token_ids for o in smollm2_llm.generate(PROMPTS, sp)]
-    assert got == want
+    assert greedy(llm, 32) == greedy(smollm2_llm, 32)
 
 
 @built
@@ -198,8 +203,7 @@ def test_smollm2_awq_through_the_block_kernel_decodes_as_xla_dequantizing():
     codes as stored (q/k/v and gate/up fused), decoding the parity prompts to the same greedy
     tokens as XLA multiplying the dequantized weights (float32, so that path rounds no weight:
     the two differ by summation order only)."""
-    from research import LLM, SamplingParams
-    from tests.test_parity_smollm2 import PROMPTS
+    from research import LLM
 
     kw = dict(max_model_len=1024, dtype="float32", quantization="awq")
     ours = LLM("smollm2-135m", **kw)
@@ -207,10 +211,7 @@ def test_smollm2_awq_through_the_block_kernel_decodes_as_xla_dequantizing():
     lp = ours.engine.executor.params["layers"][0]
     assert lp["wqkv"].fmt == "awq" and lp["w_gate_up"].epilogue == "swiglu"
     assert isinstance(lp["w_down"], gemm.BlockWeight) and "wq" not in lp
-    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in ours.generate(PROMPTS, sp)]
-    want = [o.outputs[0].token_ids for o in xla.generate(PROMPTS, sp)]
-    assert got == want
+    assert greedy(ours, 24) == greedy(xla, 24)
 
 
 @built
