@@ -25,8 +25,8 @@
 // whatever M is and wherever the row sits in x: rows are batch-invariant.
 //
 // Work: units of (up to 128 rows, 32 columns); consecutive units share their rows (x stays in
-// cache) and walk the columns (each weight panel streams once per 128 rows), claimed over XLA's
-// intra-op threads. Rows go 32 at a time (2 x 2 tiles: each tile load feeds two products), the
+// cache) and walk the columns (each weight panel streams once per 128 rows), claimed over the
+// cores (parallel.h). Rows go 32 at a time (2 x 2 tiles: each tile load feeds two products), the
 // tail 16 at a time.
 
 #if defined(__x86_64__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -214,8 +214,8 @@ void gemm(ffi::ThreadPool&, int64_t, int64_t, int64_t, const uint16_t*, const ui
 //
 // Decode multiplies a few rows by every weight once, so a step is as fast as the weights
 // stream: each 32-column panel (a contiguous stream; bfloat16 in AMX's layout) is read once per
-// unit of up to kVecUnitRows rows, kVecRows rows at a time from cache, each output column one
-// float32 lane. A unit's rows are widened to float32 once. A bfloat16 pair (two k) is one
+// unit of up to kVecUnitRows rows, in steps of kStepBlocks k blocks that every block of
+// kVecRows rows takes from cache in turn, each output column one float32 lane. A unit's rows are widened to float32 once. A bfloat16 pair (two k) is one
 // 32-bit lane: the even k is its low half (<< 16), the odd k its high half (& 0xFFFF0000),
 // both exact in float32, so a product of two bf16 values is exact too. Each lane keeps two
 // float32 sums, of its even-k and of its odd-k products, each in k order through fused

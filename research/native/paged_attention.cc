@@ -11,7 +11,7 @@
 //   lengths      [N]          int32
 //   -> out [N, H, E] float32 (0 where length is 0), lse [N, H] float32 (-inf there)
 //
-// Work is split over (token, kv head) pairs on XLA's intra-op thread pool.
+// Work is split over (token, kv head) pairs on the kernels' shared pool (parallel.h).
 
 #include <algorithm>
 #include <atomic>
