@@ -3,7 +3,7 @@
 
     python -m experiments.bench_llamacpp [--npl 1 8 32 64] [--npp 128] [--ntg 128]
         [--dtype bfloat16 float32] [--q4] [--gemm auto|vector|amx|xla] [--threads N]
-        [--binary PATH | --build DIR] [--json PATH]
+        [--rounds N] [--binary PATH | --build DIR] [--json PATH]
 
 Both engines run llama-batched-bench's workload: ``B`` sequences of ``npp`` random prompt tokens
 prefilled together, then ``ntg`` decode steps of ``B`` tokens each. ``S_PP`` is ``B * npp``
@@ -19,7 +19,9 @@ picks our projections' kernel: ``auto`` (AMX where the CPU has it, else the vect
 ``vector`` (what a CPU without AMX runs), ``amx``, or ``xla`` (XLA's dots). Ours runs every
 prefill in one step (``max_num_batched_tokens = B * npp``) so its ``ntg`` decode steps are as
 static as llama.cpp's, greedy, ``ignore_eos``, after an untimed pass that compiles every step
-shape (the timed pass must trace nothing).
+shape (the timed pass must trace nothing). On a shared host, ``--rounds N`` alternates the two
+engines N times and reports medians (each ratio the median of the rounds' own ratios); each
+column's roof fraction is against a plain read timed right after its rows.
 
 llama.cpp is not a dependency: ``--binary`` (or ``$LLAMA_BATCHED_BENCH``, or the one on
 ``PATH``) names a built ``llama-batched-bench``; ``--build DIR`` builds one into ``DIR`` from the
