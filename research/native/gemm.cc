@@ -535,6 +535,76 @@ void block_rows_panel(const uint8_t* panel, const float* x, const float* xsum, i
   }
 }
 
+// Several row blocks: a tile's codes are widened to float32 once (wt [32 k][32 columns], exact
+// small integers) and every row block takes its products from there, in the same order and
+// with the same roundings as block_rows (so a row's result never depends on its batch); acc
+// [rows, 32] holds each row's running sum between tiles.
+template <int kFmt>
+void widen_tile(const uint8_t* blk, float* wt) {
+  if constexpr (kFmt != kFmtQ80) {
+    const uint8_t* q = blk + 128;
+    for (int g = 0; g < 4; ++g) {
+      for (int v = 0; v < 32 / kLanes; ++v) {
+        const vu w = load_words(q + (g * 32 + v * kLanes) * 4);
+        for (int t = 0; t < 8; ++t) {
+          *reinterpret_cast<vf*>(wt + (8 * g + t) * 32 + v * kLanes) =
+              __builtin_convertvector(reinterpret_cast<vi>((w >> (4 * t)) & 15u), vf);
+        }
+      }
+    }
+  } else {
+    const uint8_t* q = blk + 64;
+    for (int g = 0; g < 8; ++g) {
+      for (int v = 0; v < 32 / kLanes; ++v) {
+        const vu w = load_words(q + (g * 32 + v * kLanes) * 4);
+        for (int t = 0; t < 4; ++t) {
+          *reinterpret_cast<vf*>(wt + (4 * g + t) * 32 + v * kLanes) =
+              __builtin_convertvector(reinterpret_cast<vi>(w << (24 - 8 * t)) >> 24, vf);
+        }
+      }
+    }
+  }
+}
+
+template <int R, int kFmt>
+void tile_rows(const float* wt, const uint8_t* blk, const float* x, int64_t ldx,
+               const float* xsum, int64_t kbs, int64_t kb, float* acc) {
+  constexpr bool kQ41 = kFmt != kFmtQ80;
+  const float* xk = x + kb * 32;
+  for (int c0 = 0; c0 < 32; c0 += kPassCols) {
+    vf s0[R][kPassVecs] = {}, s1[R][kPassVecs] = {};
+    for (int j = 0; j < 16; ++j) {  // Q4_1, AWQ: k < 16 and k >= 16; Q8_0: even and odd k
+      const int k0 = kQ41 ? j : 2 * j, k1 = kQ41 ? j + 16 : 2 * j + 1;
+      vf w0[kPassVecs], w1[kPassVecs];
+      for (int v = 0; v < kPassVecs; ++v) {
+        w0[v] = *reinterpret_cast<const vf*>(wt + k0 * 32 + c0 + v * kLanes);
+        w1[v] = *reinterpret_cast<const vf*>(wt + k1 * 32 + c0 + v * kLanes);
+      }
+      for (int i = 0; i < R; ++i) {
+        const float x0 = xk[i * ldx + k0], x1 = xk[i * ldx + k1];
+        for (int v = 0; v < kPassVecs; ++v) {
+          s0[i][v] += x0 * w0[v];
+          s1[i][v] += x1 * w1[v];
+        }
+      }
+    }
+    for (int v = 0; v < kPassVecs; ++v) {
+      const vf d = load_f16(blk + 2 * (c0 + v * kLanes));
+      vf m = {};
+      if constexpr (kQ41) {
+        m = load_f16(blk + 64 + 2 * (c0 + v * kLanes));
+        if constexpr (kFmt == kFmtAwq) m = -(d * m);
+      }
+      for (int i = 0; i < R; ++i) {
+        vf a = *reinterpret_cast<const vf*>(acc + i * 32 + c0 + v * kLanes);
+        a += d * (s0[i][v] + s1[i][v]);
+        if constexpr (kQ41) a += m * xsum[i * kbs + kb];
+        *reinterpret_cast<vf*>(acc + i * 32 + c0 + v * kLanes) = a;
+      }
+    }
+  }
+}
+
 // y = x @ W for a Q4_1, Q8_0 or AWQ panel stream w [N/32, K/32, bytes]; x float32 or bfloat16.
 template <int kFmt>
 void block_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const void* xp,
@@ -544,6 +614,8 @@ void block_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const vo
   const int64_t row_units = (m + kVecUnitRows - 1) / kVecUnitRows;
   auto run = [=](int64_t begin, int64_t end) {
     alignas(64) float scratch[kBlockRows * 32];
+    alignas(64) float wt[32 * 32];                 // one tile's codes in float32
+    alignas(64) float acc[kVecUnitRows * 32];      // the unit's running sums
     std::vector<float> widened, sums;  // the current row unit in float32, its block sums
     int64_t have = -1;
     for (int64_t u = begin; u < end; ++u) {
@@ -573,6 +645,32 @@ void block_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const vo
         have = unit;
       }
       const uint8_t* panel = wp + g * panel_bytes;
+      const int64_t rows_in_unit = m_end - m_begin;
+      if (rows_in_unit > kBlockRows) {  // widen each tile once for all the unit's rows
+        constexpr int kBytes = kFmt == kFmtQ80 ? kQ80Bytes : kQ41Bytes;
+        std::fill(acc, acc + rows_in_unit * 32, 0.0f);
+        for (int64_t kb = 0; kb < kbs; ++kb) {
+          const uint8_t* blk = panel + kb * kBytes;
+          for (int line = 0; line < kBytes; line += 64) {
+            __builtin_prefetch(blk + kPrefetchBytes + line);
+          }
+          widen_tile<kFmt>(blk, wt);
+          for (int64_t i0 = 0; i0 < rows_in_unit; i0 += kVecRows) {
+            const float* xr = widened.data() + i0 * k;
+            const float* sr = sums.data() + i0 * kbs;
+            switch (std::min<int64_t>(kVecRows, rows_in_unit - i0)) {
+              case 1: tile_rows<1, kFmt>(wt, blk, xr, k, sr, kbs, kb, acc + i0 * 32); break;
+              case 2: tile_rows<2, kFmt>(wt, blk, xr, k, sr, kbs, kb, acc + i0 * 32); break;
+              case 3: tile_rows<3, kFmt>(wt, blk, xr, k, sr, kbs, kb, acc + i0 * 32); break;
+              default:
+                tile_rows<kVecRows, kFmt>(wt, blk, xr, k, sr, kbs, kb, acc + i0 * 32);
+                break;
+            }
+          }
+        }
+        out.write(acc, static_cast<int>(rows_in_unit), m_begin, g);
+        continue;
+      }
       for (int64_t m0 = m_begin; m0 < m_end; m0 += kBlockRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kBlockRows, m_end - m0));
         const float* xr = widened.data() + (m0 - m_begin) * k;
