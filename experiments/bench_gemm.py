@@ -17,11 +17,13 @@ speed, not a step's (a read fraction past 1 means the weights came from cache, n
 layers of distinct random weights, 269 MB in bfloat16) and the output head, each product
 feeding the next, against ``jnp.sum`` over a buffer of the same bytes, the two alternating in
 one process; the ratio of their times is how close the projections come to a plain read.
+``--dtype q4_1`` chains GGUF's Q4_1 blocks as stored (a Q8_0 head) through the block kernel.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 # (in, out) of SmolLM2-135M's projections: q|k|v fused, o, gate|up fused, down, tied lm_head
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152))
@@ -32,7 +34,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 2048])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--chain", action="store_true", help="a step's projections vs a read")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "q4_1"],
+                        help="--chain's weights (q4_1: GGUF's blocks as stored, a Q8_0 "
+                        "head, bfloat16 activations)")  # fmt: skip
     parser.add_argument("--kernel", default="vector", choices=["auto", "vector", "amx"])
     args = parser.parse_args(argv)
     if args.chain:
@@ -106,29 +110,45 @@ def chain(rows: int, dtype: str, kernel: str, repeats: int, layers: int = 30) ->
 
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from research.native import gemm
 
-    dt = jnp.dtype(dtype)
+    blocks = dtype == "q4_1"
+    dt = jnp.dtype(jnp.bfloat16 if blocks else dtype)
     key = jax.random.key(0)
+
+    def weight(k: int, n: int, sub: jax.Array, fmt: str = "q4_1") -> Any:
+        w = 0.02 * jax.random.normal(sub, (k, n))
+        if not blocks:
+            return gemm.pack(w.astype(dt))
+        import gguf
+
+        kind = gguf.GGMLQuantizationType.Q4_1 if fmt == "q4_1" else gguf.GGMLQuantizationType.Q8_0
+        return gemm.pack_blocks(gguf.quants.quantize(np.asarray(w, np.float32).T, kind), fmt)
+
     weights = []
     for _ in range(layers):
         for k, n in SHAPES[:4]:
             key, sub = jax.random.split(key)
-            weights.append(gemm.pack((0.02 * jax.random.normal(sub, (k, n))).astype(dt)))
-    k, n = SHAPES[4]
-    head = gemm.pack((0.02 * jax.random.normal(key, (k, n))).astype(dt))
+            weights.append(weight(k, n, sub))
+    head = weight(*SHAPES[4], key, "q8_0")
     nbytes = sum(w.packed.nbytes for w in weights) + head.packed.nbytes
+
+    def product(x: jax.Array, w: Any, out: Any = jnp.float32) -> jax.Array:
+        if blocks:
+            return gemm.block_matmul(x, w, out)
+        return gemm.matmul(x, w, out, kernel=kernel)
 
     @jax.jit
     def step(x, weights, head):
         for i in range(layers):
             qkv, o, gate_up, down = weights[4 * i : 4 * i + 4]
-            h = gemm.matmul(x, qkv, dt, kernel=kernel)[:, : x.shape[1]]
-            h = gemm.matmul(h, o, dt, kernel=kernel)
-            h = gemm.matmul(h, gate_up, dt, kernel=kernel)[:, : down.shape[0]]
-            x = x + gemm.matmul(h, down, dt, kernel=kernel)
-        return gemm.matmul(x, head, kernel=kernel)
+            h = product(x, qkv, dt)[:, : x.shape[1]]
+            h = product(h, o, dt)
+            h = product(h, gate_up, dt)[:, : down.shape[0]]
+            x = x + product(h, down, dt)
+        return product(x, head)
 
     buffer = jnp.ones(nbytes // 4, jnp.float32)
     read = jax.jit(jnp.sum)
@@ -142,6 +162,8 @@ def chain(rows: int, dtype: str, kernel: str, repeats: int, layers: int = 30) ->
             times[name].append(time.perf_counter() - t0)
     med = {name: statistics.median(t[1:]) for name, t in times.items()}
     label = gemm.describe(dt) if kernel == "auto" or dt == jnp.float32 else kernel
+    if blocks:
+        label = "GGUF blocks (Q4_1 layers, Q8_0 head)"
     print(
         f"chain rows={rows} {label}: {nbytes / 1e6:.0f} MB; projections "
         f"{med['step'] * 1e3:.2f} ms ({nbytes / med['step'] / 1e9:.1f} GB/s), read "
