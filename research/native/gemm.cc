@@ -449,13 +449,30 @@ inline vf load_f16(const uint8_t* p) {
 
 inline vu load_words(const uint8_t* p) { return *reinterpret_cast<const vuu*>(p); }
 
+template <int kFmt>
+constexpr int tile_bytes() {
+  return kFmt == kFmtQ80 ? kQ80Bytes : kQ41Bytes;
+}
+
+// A tile's scales for kLanes columns from `col`: d, and m, the factor of the block's sum of x
+// (Q4_1's m, AWQ's -(d z), exact in float32; none for Q8_0).
+template <int kFmt>
+inline void tile_scales(const uint8_t* blk, int col, vf& d, vf& m) {
+  d = load_f16(blk + 2 * col);
+  m = vf{};
+  if constexpr (kFmt != kFmtQ80) {
+    m = load_f16(blk + 64 + 2 * col);
+    if constexpr (kFmt == kFmtAwq) m = -(d * m);
+  }
+}
+
 // c[i, c0 .. c0 + kPassCols] for rows i < R; x: float32 rows (row i at x + i * ldx); xsum:
 // each row's sum over each k block (row i at xsum + i * kbs; 4-bit formats only).
 template <int R, int kFmt>
 void block_rows(const uint8_t* panel, const float* x, int64_t ldx, const float* xsum,
                 int64_t kbs, int c0, float* c) {
   constexpr bool kQ41 = kFmt != kFmtQ80;  // AWQ's codes are Q4_1's
-  constexpr int kBytes = kQ41 ? kQ41Bytes : kQ80Bytes;
+  constexpr int kBytes = tile_bytes<kFmt>();
   vf acc[R][kPassVecs] = {};
   for (int64_t kb = 0; kb < kbs; ++kb) {
     const uint8_t* blk = panel + kb * kBytes;
@@ -511,11 +528,10 @@ void block_rows(const uint8_t* panel, const float* x, int64_t ldx, const float* 
       }
     }
     for (int v = 0; v < kPassVecs; ++v) {
-      const vf d = load_f16(blk + 2 * (c0 + v * kLanes));
+      vf d, m;
+      tile_scales<kFmt>(blk, c0 + v * kLanes, d, m);
       for (int i = 0; i < R; ++i) acc[i][v] += d * (s0[i][v] + s1[i][v]);
       if constexpr (kQ41) {
-        vf m = load_f16(blk + 64 + 2 * (c0 + v * kLanes));
-        if constexpr (kFmt == kFmtAwq) m = -(d * m);
         for (int i = 0; i < R; ++i) acc[i][v] += m * xsum[i * kbs + kb];
       }
     }
@@ -589,12 +605,8 @@ void tile_rows(const float* wt, const uint8_t* blk, const float* x, int64_t ldx,
       }
     }
     for (int v = 0; v < kPassVecs; ++v) {
-      const vf d = load_f16(blk + 2 * (c0 + v * kLanes));
-      vf m = {};
-      if constexpr (kQ41) {
-        m = load_f16(blk + 64 + 2 * (c0 + v * kLanes));
-        if constexpr (kFmt == kFmtAwq) m = -(d * m);
-      }
+      vf d, m;
+      tile_scales<kFmt>(blk, c0 + v * kLanes, d, m);
       for (int i = 0; i < R; ++i) {
         vf a = *reinterpret_cast<const vf*>(acc + i * 32 + c0 + v * kLanes);
         a += d * (s0[i][v] + s1[i][v]);
@@ -610,7 +622,7 @@ template <int kFmt>
 void block_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const void* xp,
                 bool x_bf16, const uint8_t* wp, const Output& out) {
   const int64_t groups = n / 32, kbs = k / 32;
-  const int64_t panel_bytes = kbs * (kFmt == kFmtQ80 ? kQ80Bytes : kQ41Bytes);
+  const int64_t panel_bytes = kbs * tile_bytes<kFmt>();
   const int64_t row_units = (m + kVecUnitRows - 1) / kVecUnitRows;
   auto run = [=](int64_t begin, int64_t end) {
     alignas(64) float scratch[kBlockRows * 32];
@@ -647,7 +659,7 @@ void block_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const vo
       const uint8_t* panel = wp + g * panel_bytes;
       const int64_t rows_in_unit = m_end - m_begin;
       if (rows_in_unit > kBlockRows) {  // widen each tile once for all the unit's rows
-        constexpr int kBytes = kFmt == kFmtQ80 ? kQ80Bytes : kQ41Bytes;
+        constexpr int kBytes = tile_bytes<kFmt>();
         std::fill(acc, acc + rows_in_unit * 32, 0.0f);
         for (int64_t kb = 0; kb < kbs; ++kb) {
           const uint8_t* blk = panel + kb * kBytes;
