@@ -17,7 +17,8 @@ speed, not a step's (a read fraction past 1 means the weights came from cache, n
 layers of distinct random weights, 269 MB in bfloat16) and the output head, each product
 feeding the next, against ``jnp.sum`` over a buffer of the same bytes, the two alternating in
 one process; the ratio of their times is how close the projections come to a plain read.
-``--dtype q4_1`` chains GGUF's Q4_1 blocks as stored (a Q8_0 head) through the block kernel.
+``--dtype q4_1`` chains GGUF's Q4_1 blocks as stored (a Q8_0 head) through the block kernel,
+with float32 activations or (``--activations int8``) llama.cpp's int8 ones.
 """
 
 from __future__ import annotations
@@ -38,10 +39,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="--chain's weights (q4_1: GGUF's blocks as stored, a Q8_0 "
                         "head, bfloat16 activations)")  # fmt: skip
     parser.add_argument("--kernel", default="vector", choices=["auto", "vector", "amx"])
+    parser.add_argument("--activations", default="float", choices=["float", "int8"],
+                        help="--dtype q4_1: float32 activations, or int8 per 32-k block "
+                        "(llama.cpp's arithmetic)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.chain:
         for m in args.rows:
-            chain(m, args.dtype, args.kernel, args.repeats)
+            chain(m, args.dtype, args.kernel, args.repeats, activations=args.activations)
         return
 
     import jax
@@ -102,7 +106,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{m:5d} {k:5d} {n:6d} | " + "  ".join(cells))
 
 
-def chain(rows: int, dtype: str, kernel: str, repeats: int, layers: int = 30) -> None:
+def chain(
+    rows: int, dtype: str, kernel: str, repeats: int, layers: int = 30, activations: str = "float"
+) -> None:
     """One decode step's projections of SmolLM2-135M's shapes (random weights, ``layers``
     layers and the head), chained, against a read of the same bytes, alternating."""
     import statistics
@@ -125,7 +131,8 @@ def chain(rows: int, dtype: str, kernel: str, repeats: int, layers: int = 30) ->
         import gguf
 
         kind = gguf.GGMLQuantizationType.Q4_1 if fmt == "q4_1" else gguf.GGMLQuantizationType.Q8_0
-        return gemm.pack_blocks(gguf.quants.quantize(np.asarray(w, np.float32).T, kind), fmt)
+        rows = gguf.quants.quantize(np.asarray(w, np.float32).T, kind)
+        return gemm.pack_blocks(rows, fmt, activations=activations)
 
     weights = []
     for _ in range(layers):
@@ -163,7 +170,7 @@ def chain(rows: int, dtype: str, kernel: str, repeats: int, layers: int = 30) ->
     med = {name: statistics.median(t[1:]) for name, t in times.items()}
     label = gemm.describe(dt) if kernel == "auto" or dt == jnp.float32 else kernel
     if blocks:
-        label = "GGUF blocks (Q4_1 layers, Q8_0 head)"
+        label = f"GGUF blocks (Q4_1 layers, Q8_0 head; {activations} activations)"
     print(
         f"chain rows={rows} {label}: {nbytes / 1e6:.0f} MB; projections "
         f"{med['step'] * 1e3:.2f} ms ({nbytes / med['step'] / 1e9:.1f} GB/s), read "

@@ -475,7 +475,8 @@ def main(argv: list[str] | None = None) -> None:
             ref = llamacpp(gguf, "Q4_1")
             # and AWQ int4 (the bf16 weights requantized at load; groups of 64 or 128 input
             # channels) read as stored: other 4-bit weights, as many bytes per weight as Q4_1
-            for quant, ours in (("gguf", "ours Q4_1 (gguf blocks, bf16 activations)"),
+            # (the GGUF's blocks take int8 activations, as llama.cpp's dot products do)
+            for quant, ours in (("gguf", "ours Q4_1 (gguf blocks, int8 activations)"),
                                 ("awq", "ours AWQ int4 (blocks, bf16 activations)")):  # fmt: skip
                 results[ours] = run_ours(
                     "smollm2-135m", "bfloat16", args.npl, args.npp, args.ntg, peaks=peaks,

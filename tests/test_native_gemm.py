@@ -5,6 +5,7 @@ refuses instruction sets the CPU lacks."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -221,22 +222,34 @@ def test_a_build_for_instructions_the_cpu_lacks_falls_back_to_native(monkeypatch
     assert native.missing_isa(compiler, "x86-64-v4") == []
 
 
+ISA_BUILDS = {"x86-64-v3": "avx2", "x86-64-v2": "generic", "x86-64-v4": "avx512"}
+
+
 @x86
-@pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64-v2"])
+@pytest.mark.parametrize("arch", sorted(ISA_BUILDS))
 def test_avx2_and_sse_builds_give_the_same_bits(tmp_path, arch):
-    """The library built for AVX2 (x86-64-v3) and for SSE only (x86-64-v2, no FMA) in a fresh
-    process: the vector kernel names its instruction set and its bf16 products equal the exact
-    emulation, bit for bit, as the native build's do (the same source on every CPU)."""
+    """The library built for AVX2 (x86-64-v3), SSE only (x86-64-v2, no FMA) and AVX-512 without
+    VNNI (x86-64-v4) in a fresh process: the vector kernel names its instruction set and its
+    bf16 products equal the exact emulation, bit for bit, as the native build's do (the same
+    source on every CPU); the block kernel's int8 dot products (AVX2's and AVX-512's
+    vpmaddubsw, plain vector code on SSE, where the native build may use VNNI) give the
+    integers of ``int8_reference`` for Q4_1 and Q8_0 blocks."""
     code = textwrap.dedent(
         """
-        import json, sys, numpy as np, jax, jax.numpy as jnp
+        import json, sys, dataclasses, numpy as np, jax, jax.numpy as jnp
         from research import native
         from research.native import gemm
+        from tests.test_gguf_blocks import blocks
         rng = np.random.default_rng(5)
         x = jnp.asarray(rng.standard_normal((7, 96)), jnp.bfloat16)
         w = jnp.asarray(rng.standard_normal((96, 64)), jnp.bfloat16)
         y = np.asarray(jax.jit(gemm.matmul)(x, gemm.pack(w)))
-        print(json.dumps([native.built_march("gemm"), gemm.describe(), y.tolist()]))
+        xb = jnp.asarray(rng.standard_normal((3, 128)), jnp.float32)
+        int8 = {}
+        for fmt in ("q4_1", "q8_0"):
+            bw = dataclasses.replace(blocks(fmt, 64, 128, seed=9), activations="int8")
+            int8[fmt] = np.asarray(jax.jit(gemm.block_matmul)(xb, bw)).tolist()
+        print(json.dumps([native.built_march("gemm"), gemm.describe(), y.tolist(), int8]))
         """
     )
     env = {**os.environ, "RESEARCH_NATIVE_MARCH": arch, "RESEARCH_GEMM_KERNEL": "vector",
@@ -245,13 +258,20 @@ def test_avx2_and_sse_builds_give_the_same_bits(tmp_path, arch):
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    built_for, described, y = json.loads(proc.stdout.splitlines()[-1])
+    built_for, described, y, int8 = json.loads(proc.stdout.splitlines()[-1])
     assert built_for == arch
-    assert described.startswith("vector (avx2" if arch == "x86-64-v3" else "vector (generic")
+    assert described.startswith(f"vector ({ISA_BUILDS[arch]}")
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((7, 96)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((96, 64)), jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(y, np.float32), vector_reference(x, w))
+    from tests.test_gguf_blocks import blocks, int8_reference
+
+    xb = rng.standard_normal((3, 128)).astype(np.float32)
+    for fmt, got in int8.items():
+        bw = dataclasses.replace(blocks(fmt, 64, 128, seed=9), activations="int8")
+        ref = int8_reference(xb, bw, fused=arch != "x86-64-v2")
+        np.testing.assert_array_equal(np.asarray(got, np.float32), ref, err_msg=fmt)
 
 
 def test_pack_params_fuses_and_packs_projections_only():

@@ -38,6 +38,7 @@ class EngineConfig:
     kv_cache_dtype: str
     attention_backend: str
     gemm_backend: str
+    block_activations: str  # "float" | "int8" (resolved from "auto")
     executor: str  # "real" | "simulated"
     hardware: str | None
     gpu_memory_utilization: float
@@ -102,6 +103,10 @@ class EngineArgs:
     attention_backend: str = "auto"
     gemm_backend: str = "auto"
     quantization: str | None = None
+    # 4-bit and 8-bit weights read as stored (quantization="gguf", or "awq" on the native
+    # path): "float" multiplies float32 activations, "int8" quantizes each row's 32-k blocks
+    # to int8 first (llama.cpp's arithmetic); "auto": int8 for GGUF files, float for AWQ.
+    block_activations: str = "auto"
     kv_cache_dtype: str = "auto"
     executor: str = "real"
     hardware: str | None = None
@@ -199,6 +204,19 @@ class EngineArgs:
                 )
         if self.quantization not in allowed:
             raise ValueError(f"quantization must be one of {allowed}, got {self.quantization!r}")
+        if self.block_activations not in ("auto", "float", "int8"):
+            raise ValueError(
+                "block_activations must be 'auto', 'float' or 'int8', got "
+                f"{self.block_activations!r}"
+            )
+        if self.block_activations != "auto" and self.quantization not in ("gguf", "awq"):
+            raise ValueError(
+                f"block_activations={self.block_activations!r} applies to weights read as stored "
+                f"(quantization='gguf' or 'awq'), not quantization={self.quantization!r}"
+            )
+        block_activations = self.block_activations
+        if block_activations == "auto":
+            block_activations = "int8" if self.quantization == "gguf" else "float"
         if self.kv_cache_dtype not in KV_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_DTYPES}, got {self.kv_cache_dtype!r}"
@@ -227,6 +245,7 @@ class EngineArgs:
             kv_cache_dtype=self.kv_cache_dtype,
             attention_backend=self.attention_backend,
             gemm_backend=self.gemm_backend,
+            block_activations=block_activations,
             executor=executor,
             hardware=self.hardware,
             gpu_memory_utilization=utilization,

@@ -59,6 +59,7 @@ class Engine:
         attention_backend: str = "auto",
         kv_cache_dtype: str = "auto",
         gemm_backend: str = "auto",
+        block_activations: str = "float",
         seed: int = 0,
         poison_freed_blocks: bool = False,
         clock: Callable[[], float] = time.perf_counter,
@@ -116,6 +117,7 @@ class Engine:
             kv_fill_value=float("nan") if poison_freed_blocks else 0.0,
             plan=plan,
             gemm_backend=gemm_backend,
+            block_activations=block_activations,
         )
         self.proposer: Any = None
         spec = self.speculative_config
@@ -180,6 +182,7 @@ class Engine:
             attention_backend=config.attention_backend,
             kv_cache_dtype=config.kv_cache_dtype,
             gemm_backend=config.gemm_backend,
+            block_activations=config.block_activations,
             seed=config.seed,
             poison_freed_blocks=config.poison_freed_blocks,
             speculative_config=config.speculative,

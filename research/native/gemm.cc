@@ -38,13 +38,17 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__) && (defined(__AVX512F__) || defined(__F16C__))
+#if defined(__x86_64__) && (defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__))
 #include <immintrin.h>
+#endif
+#if defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#include <arm_neon.h>
 #endif
 
 #include "parallel.h"
@@ -408,8 +412,21 @@ void vec_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const T* x
 //                      for k = 4 g .. 4 g + 3, k = 4 g + t in byte t
 // Per column and block: s = sum_k x_k q_k in float32 as two chains of fused multiply-adds in k
 // order (Q4_1, AWQ: k < 16 and k >= 16; Q8_0: even and odd k), then y += d (s0 + s1), and for
-// Q4_1 y += m sum_k x_k (AWQ: m = -(d z), exact in float32): sum_k x_k w_k rearranged, so it
-// differs from a product with the dequantized weights by float32 rounding only.
+// Q4_1 y += m sum_k x_k (AWQ: m = -(d z), exact in float32; the sum as block_sum takes it):
+// sum_k x_k w_k rearranged, so it differs from a product with the dequantized weights by
+// float32 rounding only.
+
+// The sum of a block's 32 x in one fixed order on every instruction set (eight lanes, as GCC
+// splits an 8-float vector into whatever the target has): lane l sums x[l], x[8 + l],
+// x[16 + l], x[24 + l] in turn, then lanes l and l + 4, then l and l + 2, then the two left.
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v8fu __attribute__((vector_size(32), aligned(4)));
+inline float block_sum(const float* x) {
+  const v8fu* p = reinterpret_cast<const v8fu*>(x);
+  const v8f s = ((p[0] + p[1]) + p[2]) + p[3];
+  const float a0 = s[0] + s[4], a1 = s[1] + s[5], a2 = s[2] + s[6], a3 = s[3] + s[7];
+  return (a0 + a2) + (a1 + a3);
+}
 
 constexpr int kQ41Bytes = 640, kQ80Bytes = 1088;
 constexpr int kFmtQ41 = 0, kFmtQ80 = 1, kFmtAwq = 2;  // the format attribute's codes
@@ -617,10 +634,204 @@ void tile_rows(const float* wt, const uint8_t* blk, const float* x, int64_t ldx,
   }
 }
 
+// ---- int8 activations: llama.cpp's arithmetic for its quantized dot products --------------
+//
+// Each row's 32-k block is quantized to int8 (as llama.cpp's Q8_0/Q8_1 activations): a = the
+// block's largest |x|, dx = a / 127, q = rint(x * (1 / dx)) in float32 (0 where a = 0). A
+// column's block product is then an exact integer, i = sum_k q_k c_k (c the weight's codes),
+// taken four byte pairs at a time by the CPU's integer dot product (AVX512-VNNI / AVX-VNNI's
+// vpdpbusd, AVX2's vpmaddubsw, ARM's sdot; plain vector code elsewhere: every one gives the
+// same integer), and y += d (dx i), then for Q4_1 y += m sum_k x_k and for AWQ y += -(d z)
+// sum_k x_k (the exact float32 sum of the block's x, as above). A 4-bit word's low nibbles hold
+// k = 8 g, 8 g + 2, 8 g + 4, 8 g + 6 and its high nibbles the odd k, so a row's quantized block
+// is kept as 8 words in that order (Q4_1, AWQ) or in k order (Q8_0, four k per word).
+
+#if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512VNNI__)
+constexpr bool kDotFlipsQ80 = true;  // vpdpbusd multiplies unsigned codes: Q8_0's get + 128
+#elif defined(__x86_64__) && defined(__AVX2__) && !defined(__AVX512F__) && \
+    (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
+constexpr bool kDotFlipsQ80 = true;
+#else
+constexpr bool kDotFlipsQ80 = false;
+#endif
+
+// acc += per lane sum_t a_t x_t over the lane's four bytes a_t (unsigned, < 128: a 4-bit code,
+// or any unsigned byte where kDotFlipsQ80) and xw's four int8 bytes x_t.
+inline vi dot_u8(vi acc, vu a, uint32_t xw) {
+#if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512VNNI__)
+  return reinterpret_cast<vi>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc),
+                                                  reinterpret_cast<__m512i>(a),
+                                                  _mm512_set1_epi32(static_cast<int>(xw))));
+#elif defined(__x86_64__) && defined(__AVX2__) && !defined(__AVX512F__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512VL__)
+  return reinterpret_cast<vi>(_mm256_dpbusd_epi32(reinterpret_cast<__m256i>(acc),
+                                                  reinterpret_cast<__m256i>(a),
+                                                  _mm256_set1_epi32(static_cast<int>(xw))));
+#elif defined(__x86_64__) && defined(__AVX2__) && !defined(__AVX512F__) && defined(__AVXVNNI__)
+  return reinterpret_cast<vi>(_mm256_dpbusd_avx_epi32(reinterpret_cast<__m256i>(acc),
+                                                      reinterpret_cast<__m256i>(a),
+                                                      _mm256_set1_epi32(static_cast<int>(xw))));
+#elif defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512i p = _mm512_maddubs_epi16(reinterpret_cast<__m512i>(a),
+                                         _mm512_set1_epi32(static_cast<int>(xw)));
+  return acc + reinterpret_cast<vi>(_mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+#elif defined(__x86_64__) && defined(__AVX2__) && !defined(__AVX512F__)
+  const __m256i p = _mm256_maddubs_epi16(reinterpret_cast<__m256i>(a),
+                                         _mm256_set1_epi32(static_cast<int>(xw)));
+  return acc + reinterpret_cast<vi>(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+  return reinterpret_cast<vi>(vdotq_s32(reinterpret_cast<int32x4_t>(acc),
+                                        reinterpret_cast<int8x16_t>(a),
+                                        vreinterpretq_s8_s32(vdupq_n_s32(static_cast<int>(xw)))));
+#else
+  for (int t = 0; t < 4; ++t) {
+    acc += reinterpret_cast<vi>((a >> (8 * t)) & 0xFFu) * static_cast<int8_t>(xw >> (8 * t));
+  }
+  return acc;
+#endif
+}
+
+// acc += per lane sum_t a_t x_t with signed bytes a_t (Q8_0's codes; not used where
+// kDotFlipsQ80, which offsets them into dot_u8's range instead).
+inline vi dot_s8(vi acc, vu a, uint32_t xw) {
+#if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512i av = reinterpret_cast<__m512i>(a), x = _mm512_set1_epi32(static_cast<int>(xw));
+  const __m512i xs = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(av), _mm512_setzero_si512(), x);
+  const __m512i p = _mm512_maddubs_epi16(_mm512_abs_epi8(av), xs);  // |a| <= 128: no saturation
+  return acc + reinterpret_cast<vi>(_mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+#elif defined(__x86_64__) && defined(__AVX2__) && !defined(__AVX512F__)
+  const __m256i av = reinterpret_cast<__m256i>(a), x = _mm256_set1_epi32(static_cast<int>(xw));
+  const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(av), _mm256_sign_epi8(x, av));
+  return acc + reinterpret_cast<vi>(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+  return dot_u8(acc, a, xw);  // sdot: signed bytes on both sides
+#else
+  for (int t = 0; t < 4; ++t) {
+    acc += (reinterpret_cast<vi>(a << (24 - 8 * t)) >> 24) * static_cast<int8_t>(xw >> (8 * t));
+  }
+  return acc;
+#endif
+}
+
+// One row's 32-k blocks quantized: words [kbs, 8] (the kernel's k order for the format), dx
+// [kbs] and, where kDotFlipsQ80, the sum of each block's q [kbs] (Q8_0's correction).
+template <int kFmt>
+void quantize_row(const float* x, int64_t kbs, uint32_t* words, float* dx, int32_t* qsum) {
+  constexpr int kV = 32 / kLanes;
+  for (int64_t kb = 0; kb < kbs; ++kb) {
+    const float* xb = x + kb * 32;
+    vf v[kV], top = {};
+    for (int j = 0; j < kV; ++j) {
+      v[j] = *reinterpret_cast<const vfu*>(xb + j * kLanes);
+      const vf a = reinterpret_cast<vf>(reinterpret_cast<vu>(v[j]) & 0x7FFFFFFFu);
+      top = (a > top || a != a) ? a : top;  // a NaN stays (the block's result is NaN)
+    }
+    float amax = top[0];
+    for (int l = 1; l < kLanes; ++l) amax = (top[l] > amax || top[l] != top[l]) ? top[l] : amax;
+    const float d = amax / 127.0f;
+    const float inv = d != 0.0f ? 1.0f / d : 0.0f;
+    int8_t q[32];
+    vi total = {};
+    for (int j = 0; j < kV; ++j) {
+      vf r = v[j] * inv;
+      r = (r + 12582912.0f) - 12582912.0f;  // to the nearest integer, ties to even (|r| <= 127)
+      r = r > 127.0f ? 127.0f : r;
+      r = r < -127.0f ? -127.0f : r;
+      const vi qi = r == r ? __builtin_convertvector(r, vi) : vi{};
+      total += qi;
+      for (int l = 0; l < kLanes; ++l) q[j * kLanes + l] = static_cast<int8_t>(qi[l]);
+    }
+    int32_t sum = 0;
+    for (int l = 0; l < kLanes; ++l) sum += total[l];
+    uint32_t* w = words + kb * 8;
+    for (int i = 0; i < 8; ++i) {
+      // Q4_1 / AWQ: word 2 g holds k = 8 g + 2 t, word 2 g + 1 k = 8 g + 2 t + 1 (t = byte);
+      // Q8_0: word i holds k = 4 i + t
+      uint32_t packed = 0;
+      for (int t = 0; t < 4; ++t) {
+        const int k = kFmt == kFmtQ80 ? 4 * i + t : 8 * (i / 2) + 2 * t + (i % 2);
+        packed |= uint32_t{static_cast<uint8_t>(q[k])} << (8 * t);
+      }
+      w[i] = packed;
+    }
+    dx[kb] = d;
+    qsum[kb] = sum;
+  }
+}
+
+// c[i, 0 .. 32] for rows i < R of a panel with int8 activations (row i's words at xw + i *
+// kbs * 8, its block scales at dx + i * kbs ...).
+template <int R, int kFmt>
+void int_rows(const uint8_t* panel, const uint32_t* xw, const float* dx, const float* xsum,
+              const int32_t* qsum, int64_t kbs, int c0, float* c) {
+  constexpr bool kQ41 = kFmt != kFmtQ80;
+  constexpr int kBytes = tile_bytes<kFmt>();
+  vf acc[R][kPassVecs] = {};
+  for (int64_t kb = 0; kb < kbs; ++kb) {
+    const uint8_t* blk = panel + kb * kBytes;
+    if (c0 == 0) {
+      for (int line = 0; line < kBytes; line += 64) __builtin_prefetch(blk + kPrefetchBytes + line);
+    }
+    vi s[R][kPassVecs] = {};
+    if constexpr (kQ41) {
+      const uint8_t* q = blk + 128;
+      for (int g = 0; g < 4; ++g) {
+        for (int v = 0; v < kPassVecs; ++v) {
+          const vu w = load_words(q + (g * 32 + c0 + v * kLanes) * 4);
+          const vu lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;
+          for (int i = 0; i < R; ++i) {
+            const uint32_t* xr = xw + (i * kbs + kb) * 8;
+            s[i][v] = dot_u8(s[i][v], lo, xr[2 * g]);
+            s[i][v] = dot_u8(s[i][v], hi, xr[2 * g + 1]);
+          }
+        }
+      }
+    } else {
+      const uint8_t* q = blk + 64;
+      for (int g = 0; g < 8; ++g) {
+        for (int v = 0; v < kPassVecs; ++v) {
+          const vu w = load_words(q + (g * 32 + c0 + v * kLanes) * 4);
+          for (int i = 0; i < R; ++i) {
+            const uint32_t x4 = xw[(i * kbs + kb) * 8 + g];
+            if constexpr (kDotFlipsQ80) {
+              s[i][v] = dot_u8(s[i][v], w ^ 0x80808080u, x4);
+            } else {
+              s[i][v] = dot_s8(s[i][v], w, x4);
+            }
+          }
+        }
+      }
+    }
+    for (int v = 0; v < kPassVecs; ++v) {
+      vf d, m;
+      tile_scales<kFmt>(blk, c0 + v * kLanes, d, m);
+      for (int i = 0; i < R; ++i) {
+        vi total = s[i][v];
+        if constexpr (!kQ41 && kDotFlipsQ80) total -= 128 * qsum[i * kbs + kb];
+        acc[i][v] += d * (dx[i * kbs + kb] * __builtin_convertvector(total, vf));
+        if constexpr (kQ41) acc[i][v] += m * xsum[i * kbs + kb];
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int v = 0; v < kPassVecs; ++v) {
+      *reinterpret_cast<vfu*>(c + i * 32 + c0 + v * kLanes) = acc[i][v];
+    }
+  }
+}
+
+template <int R, int kFmt>
+void int_rows_panel(const uint8_t* panel, const uint32_t* xw, const float* dx, const float* xsum,
+                    const int32_t* qsum, int64_t kbs, float* c) {
+  for (int c0 = 0; c0 < 32; c0 += kPassCols) {
+    int_rows<R, kFmt>(panel, xw, dx, xsum, qsum, kbs, c0, c);
+  }
+}
+
 // y = x @ W for a Q4_1, Q8_0 or AWQ panel stream w [N/32, K/32, bytes]; x float32 or bfloat16.
 template <int kFmt>
 void block_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const void* xp,
-                bool x_bf16, const uint8_t* wp, const Output& out) {
+                bool x_bf16, bool int8, const uint8_t* wp, const Output& out) {
   const int64_t groups = n / 32, kbs = k / 32;
   const int64_t panel_bytes = kbs * tile_bytes<kFmt>();
   const int64_t row_units = (m + kVecUnitRows - 1) / kVecUnitRows;
@@ -628,7 +839,11 @@ void block_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const vo
     alignas(64) float scratch[kBlockRows * 32];
     alignas(64) float wt[32 * 32];                 // one tile's codes in float32
     alignas(64) float acc[kVecUnitRows * 32];      // the unit's running sums
+    alignas(64) float rows_out[kVecRows * 32];
     std::vector<float> widened, sums;  // the current row unit in float32, its block sums
+    std::vector<uint32_t> xw;          // int8 activations: its quantized blocks
+    std::vector<float> dx;
+    std::vector<int32_t> qsum;
     int64_t have = -1;
     for (int64_t u = begin; u < end; ++u) {
       const int64_t g = u % groups, unit = u / groups;
@@ -649,15 +864,38 @@ void block_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const vo
           std::copy(src, src + count, dst);
         }
         sums.resize((m_end - m_begin) * kbs);
-        for (int64_t b = 0; b < (m_end - m_begin) * kbs; ++b) {
-          float total = 0.0f;  // k order
-          for (int j = 0; j < 32; ++j) total += dst[b * 32 + j];
-          sums[b] = total;
+        for (int64_t b = 0; b < (m_end - m_begin) * kbs; ++b) sums[b] = block_sum(dst + b * 32);
+        if (int8) {
+          const int64_t rows = m_end - m_begin;
+          xw.resize(rows * kbs * 8);
+          dx.resize(rows * kbs);
+          qsum.resize(rows * kbs);
+          for (int64_t i = 0; i < rows; ++i) {
+            quantize_row<kFmt>(dst + i * k, kbs, xw.data() + i * kbs * 8, dx.data() + i * kbs,
+                               qsum.data() + i * kbs);
+          }
         }
         have = unit;
       }
       const uint8_t* panel = wp + g * panel_bytes;
       const int64_t rows_in_unit = m_end - m_begin;
+      if (int8) {  // kVecRows rows at a time over the panel (cached after the first)
+        for (int64_t i0 = 0; i0 < rows_in_unit; i0 += kVecRows) {
+          const int64_t off = i0 * kbs;
+          const uint32_t* xr = xw.data() + off * 8;
+          const float *dr = dx.data() + off, *sr = sums.data() + off;
+          const int32_t* qr = qsum.data() + off;
+          const int rows = static_cast<int>(std::min<int64_t>(kVecRows, rows_in_unit - i0));
+          switch (rows) {
+            case 1: int_rows_panel<1, kFmt>(panel, xr, dr, sr, qr, kbs, rows_out); break;
+            case 2: int_rows_panel<2, kFmt>(panel, xr, dr, sr, qr, kbs, rows_out); break;
+            case 3: int_rows_panel<3, kFmt>(panel, xr, dr, sr, qr, kbs, rows_out); break;
+            default: int_rows_panel<kVecRows, kFmt>(panel, xr, dr, sr, qr, kbs, rows_out); break;
+          }
+          out.write(rows_out, rows, m_begin + i0, g);
+        }
+        continue;
+      }
       if (rows_in_unit > kBlockRows) {  // widen each tile once for all the unit's rows
         constexpr int kBytes = tile_bytes<kFmt>();
         std::fill(acc, acc + rows_in_unit * 32, 0.0f);
@@ -767,14 +1005,18 @@ ffi::Error GemmF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 // x [M, K] float32 or bfloat16 @ W as blocks in panels [N/32, K/32, bytes] (uint8), format
 // 0: Q4_1, 1: Q8_0, 2: AWQ -> y [M, N] (or the swiglu half) float32 or bfloat16.
 ffi::Error GemmBlocksImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w,
-                          int32_t format, int32_t epilogue, ffi::Result<ffi::AnyBuffer> y) {
+                          int32_t format, int32_t epilogue, int32_t activations,
+                          ffi::Result<ffi::AnyBuffer> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto yd = y->dimensions();
   const bool swiglu = epilogue == 1;
   const int64_t bytes = format == kFmtQ80 ? kQ80Bytes : kQ41Bytes;
-  if (format < 0 || format > 2 || epilogue < 0 || epilogue > 1) {
-    return ffi::Error::InvalidArgument("gemm_blocks: format must be 0, 1 or 2, epilogue 0 or 1");
+  if (format < 0 || format > 2 || epilogue < 0 || epilogue > 1 || activations < 0 ||
+      activations > 1) {
+    return ffi::Error::InvalidArgument(
+        "gemm_blocks: format must be 0, 1 or 2, epilogue 0 or 1, activations 0 (float) or 1 "
+        "(int8)");
   }
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != bytes ||
       xd[1] != wd[1] * 32 || yd[0] != xd[0] || yd[1] != wd[0] * (swiglu ? 16 : 32)) {
@@ -792,12 +1034,13 @@ ffi::Error GemmBlocksImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ff
     const auto* wp = reinterpret_cast<const uint8_t*>(w.untyped_data());
     const int64_t m = xd[0], k = xd[1], n = wd[0] * 32;
     const void* xp = x.untyped_data();
+    const bool int8 = activations == 1;
     if (format == kFmtQ41) {
-      block_gemm<kFmtQ41>(pool, m, k, n, xp, x_bf16, wp, out);
+      block_gemm<kFmtQ41>(pool, m, k, n, xp, x_bf16, int8, wp, out);
     } else if (format == kFmtQ80) {
-      block_gemm<kFmtQ80>(pool, m, k, n, xp, x_bf16, wp, out);
+      block_gemm<kFmtQ80>(pool, m, k, n, xp, x_bf16, int8, wp, out);
     } else {
-      block_gemm<kFmtAwq>(pool, m, k, n, xp, x_bf16, wp, out);
+      block_gemm<kFmtAwq>(pool, m, k, n, xp, x_bf16, int8, wp, out);
     }
   }
   return ffi::Error::Success();
@@ -856,4 +1099,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmBlocks, GemmBlocksImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Attr<int32_t>("format")
                                   .Attr<int32_t>("epilogue")
+                                  .Attr<int32_t>("activations")
                                   .Ret<ffi::AnyBuffer>());

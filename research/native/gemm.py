@@ -55,6 +55,10 @@ class PackedWeight:
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
     # "swiglu": a gate/up pair (``pack_gate_up``) whose product is silu(gate) * up, [K, N / 2]
     epilogue: str = dataclasses.field(default="", metadata=dict(static=True))
+    # "float": x multiplies the codes in float32 (the dequantized weights' products, rearranged);
+    # "int8": each row's 32-k block is quantized to int8 first and multiplies the codes as
+    # integers (llama.cpp's arithmetic for these formats: ``gemm.cc``).
+    activations: str = dataclasses.field(default="float", metadata=dict(static=True))
 
     @property
     def out_features(self) -> int:
@@ -318,6 +322,8 @@ def matmul(
 # of one (32 columns x 32 k) tile of a panel (``gemm.cc``: scales, then codes k-major), and the
 # kernel's format code. "awq" is Q4_1's layout with the zero point where Q4_1 keeps m.
 BLOCK_FORMATS = {"q4_1": (20, 640, 0), "q8_0": (34, 1088, 1), "awq": (20, 640, 2)}
+# How block weights take their activations (the kernel's code is the index).
+BLOCK_ACTIVATIONS = ("float", "int8")
 
 
 @jax.tree_util.register_dataclass
@@ -332,6 +338,10 @@ class BlockWeight:
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
     fmt: str = dataclasses.field(default="q4_1", metadata=dict(static=True))
     epilogue: str = dataclasses.field(default="", metadata=dict(static=True))
+    # "float": x multiplies the codes in float32 (the dequantized weights' products, rearranged);
+    # "int8": each row's 32-k block is quantized to int8 first and multiplies the codes as
+    # integers (llama.cpp's arithmetic for these formats: ``gemm.cc``).
+    activations: str = dataclasses.field(default="float", metadata=dict(static=True))
 
     @property
     def out_features(self) -> int:
@@ -342,11 +352,16 @@ class BlockWeight:
         return 2
 
 
-def pack_blocks(rows: np.ndarray, fmt: str, epilogue: str = "") -> BlockWeight:
+def pack_blocks(
+    rows: np.ndarray, fmt: str, epilogue: str = "", activations: str = "float"
+) -> BlockWeight:
     """The blocks of a weight with N output columns ([N, K/32 * block bytes] uint8, one column
-    per row, as ``GGUFReader`` gives them, or ``awq_rows``) -> BlockWeight (W [K, N])."""
+    per row, as ``GGUFReader`` gives them, or ``awq_rows``) -> BlockWeight (W [K, N]);
+    ``activations``: one of ``BLOCK_ACTIVATIONS``."""
     if fmt not in BLOCK_FORMATS:
         raise ValueError(f"block format {fmt!r} is not one of {sorted(BLOCK_FORMATS)}")
+    if activations not in BLOCK_ACTIVATIONS:
+        raise ValueError(f"activations must be one of {BLOCK_ACTIVATIONS}, got {activations!r}")
     block = BLOCK_FORMATS[fmt][0]
     rows = np.ascontiguousarray(rows, np.uint8)
     n, width = rows.shape
@@ -366,7 +381,7 @@ def pack_blocks(rows: np.ndarray, fmt: str, epilogue: str = "") -> BlockWeight:
         codes = tiles[..., 2:34].reshape(n // 32, kbs, 32, 8, 4).transpose(0, 1, 3, 2, 4)
         parts = [d, codes.reshape(n // 32, kbs, 1024)]
     packed = np.concatenate(parts, axis=-1)
-    return BlockWeight(jnp.asarray(packed), (kbs * 32, n), fmt, epilogue)
+    return BlockWeight(jnp.asarray(packed), (kbs * 32, n), fmt, epilogue, activations)
 
 
 def gate_up_rows(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -377,6 +392,19 @@ def gate_up_rows(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         raise ValueError(f"gate {gate.shape} and up {up.shape} must match, F % 16 == 0")
     both = np.stack([gate.reshape(f // 16, 16, -1), up.reshape(f // 16, 16, -1)], axis=1)
     return both.reshape(2 * f, -1)
+
+
+def with_activations(params: Any, activations: str) -> Any:
+    """``params`` with every ``BlockWeight`` taking ``activations`` (``BLOCK_ACTIVATIONS``)."""
+    if activations not in BLOCK_ACTIVATIONS:
+        raise ValueError(f"activations must be one of {BLOCK_ACTIVATIONS}, got {activations!r}")
+    return jax.tree.map(
+        lambda w: (
+            dataclasses.replace(w, activations=activations) if isinstance(w, BlockWeight) else w
+        ),
+        params,
+        is_leaf=lambda w: isinstance(w, BlockWeight),
+    )
 
 
 def unpack_blocks(w: BlockWeight) -> np.ndarray:
@@ -420,5 +448,6 @@ def block_matmul(x: jax.Array, w: BlockWeight, out_dtype: Any = jnp.float32) -> 
         w.packed,
         format=np.int32(BLOCK_FORMATS[w.fmt][2]),
         epilogue=np.int32(1 if w.epilogue == "swiglu" else 0),
+        activations=np.int32(BLOCK_ACTIVATIONS.index(w.activations)),
     )
     return y.reshape(*lead, w.out_features)
