@@ -715,8 +715,12 @@ inline vi dot_s8(vi acc, vu a, uint32_t xw) {
 
 // One row's 32-k blocks quantized: words [kbs, 8] (the kernel's k order for the format), dx
 // [kbs] and, where kDotFlipsQ80, the sum of each block's q [kbs] (Q8_0's correction).
+// (Built without contraction: x * (1 / dx) is rounded to float32 before it is rounded to an
+// integer, as the emulation does, never fused into the rounding's add.)
 template <int kFmt>
-void quantize_row(const float* x, int64_t kbs, uint32_t* words, float* dx, int32_t* qsum) {
+__attribute__((optimize("fp-contract=off"))) void quantize_row(const float* x, int64_t kbs,
+                                                              uint32_t* words, float* dx,
+                                                              int32_t* qsum) {
   constexpr int kV = 32 / kLanes;
   for (int64_t kb = 0; kb < kbs; ++kb) {
     const float* xb = x + kb * 32;
