@@ -19,6 +19,10 @@ from research.native import gemm
 built = pytest.mark.skipif(
     not gemm.available(), reason=f"native gemm unavailable: {native.build_error('gemm')}"
 )
+fused = pytest.mark.skipif(
+    gemm.available() and not gemm.fused_multiply_add(),
+    reason="a build without FMA rounds each product before its sum (the emulation fuses them)",
+)
 TYPES = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
 
 
@@ -157,10 +161,7 @@ def test_panels_hold_exactly_the_files_blocks(bundled, name):
 
 
 @built
-@pytest.mark.skipif(
-    gemm.available() and not gemm.fused_multiply_add(),
-    reason="a build without FMA rounds each product before its sum (the emulation fuses them)",
-)
+@fused
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "awq"])
 @pytest.mark.parametrize("m", [1, 2, 3, 65])
 def test_block_kernel_is_its_exact_float32_arithmetic(fmt, m):
@@ -174,16 +175,14 @@ def test_block_kernel_is_its_exact_float32_arithmetic(fmt, m):
 
 
 @built
-@pytest.mark.skipif(
-    gemm.available() and not gemm.fused_multiply_add(),
-    reason="a build without FMA rounds each product before its sum (the emulation fuses them)",
-)
+@fused
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "awq"])
 @pytest.mark.parametrize("m", [1, 2, 5, 65])
 def test_int8_activations_are_their_exact_integer_arithmetic(fmt, m):
     """activations="int8" (llama.cpp's arithmetic): the kernel equals ``int8_reference`` bit
-    for bit (a block of zeros, large and tiny blocks and a rounding tie included), and a row's result does not
-    depend on the rows beside it (the same bits alone as in a batch of ``m``)."""
+    for bit (a block of zeros, large and tiny blocks and a rounding tie included), and a
+    row's result does not depend on the rows beside it (the same bits alone as in a batch of
+    ``m``)."""
     w = dataclasses.replace(blocks(fmt, 96, 128, seed=m), activations="int8")
     rng = np.random.default_rng(200 + m)
     x = rng.standard_normal((m, 128)).astype(np.float32)

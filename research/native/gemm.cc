@@ -471,6 +471,17 @@ constexpr int tile_bytes() {
   return kFmt == kFmtQ80 ? kQ80Bytes : kQ41Bytes;
 }
 
+// Tile kb of a panel, prefetching the stream kPrefetchBytes ahead of it where `prefetch`.
+template <int kFmt>
+inline const uint8_t* tile_at(const uint8_t* panel, int64_t kb, bool prefetch) {
+  constexpr int kBytes = tile_bytes<kFmt>();
+  const uint8_t* blk = panel + kb * kBytes;
+  if (prefetch) {
+    for (int line = 0; line < kBytes; line += 64) __builtin_prefetch(blk + kPrefetchBytes + line);
+  }
+  return blk;
+}
+
 // A tile's scales for kLanes columns from `col`: d, and m, the factor of the block's sum of x
 // (Q4_1's m, AWQ's -(d z), exact in float32; none for Q8_0).
 template <int kFmt>
@@ -489,13 +500,9 @@ template <int R, int kFmt>
 void block_rows(const uint8_t* panel, const float* x, int64_t ldx, const float* xsum,
                 int64_t kbs, int c0, float* c) {
   constexpr bool kQ41 = kFmt != kFmtQ80;  // AWQ's codes are Q4_1's
-  constexpr int kBytes = tile_bytes<kFmt>();
   vf acc[R][kPassVecs] = {};
   for (int64_t kb = 0; kb < kbs; ++kb) {
-    const uint8_t* blk = panel + kb * kBytes;
-    if (c0 == 0) {
-      for (int line = 0; line < kBytes; line += 64) __builtin_prefetch(blk + kPrefetchBytes + line);
-    }
+    const uint8_t* blk = tile_at<kFmt>(panel, kb, c0 == 0);
     const float* xk = x + kb * 32;
     vf s0[R][kPassVecs] = {}, s1[R][kPassVecs] = {};
     if constexpr (kQ41) {
@@ -769,13 +776,9 @@ template <int R, int kFmt>
 void int_rows(const uint8_t* panel, const uint32_t* xw, const float* dx, const float* xsum,
               const int32_t* qsum, int64_t kbs, int c0, float* c) {
   constexpr bool kQ41 = kFmt != kFmtQ80;
-  constexpr int kBytes = tile_bytes<kFmt>();
   vf acc[R][kPassVecs] = {};
   for (int64_t kb = 0; kb < kbs; ++kb) {
-    const uint8_t* blk = panel + kb * kBytes;
-    if (c0 == 0) {
-      for (int line = 0; line < kBytes; line += 64) __builtin_prefetch(blk + kPrefetchBytes + line);
-    }
+    const uint8_t* blk = tile_at<kFmt>(panel, kb, c0 == 0);
     vi s[R][kPassVecs] = {};
     if constexpr (kQ41) {
       const uint8_t* q = blk + 128;
@@ -901,13 +904,9 @@ void block_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const vo
         continue;
       }
       if (rows_in_unit > kBlockRows) {  // widen each tile once for all the unit's rows
-        constexpr int kBytes = tile_bytes<kFmt>();
         std::fill(acc, acc + rows_in_unit * 32, 0.0f);
         for (int64_t kb = 0; kb < kbs; ++kb) {
-          const uint8_t* blk = panel + kb * kBytes;
-          for (int line = 0; line < kBytes; line += 64) {
-            __builtin_prefetch(blk + kPrefetchBytes + line);
-          }
+          const uint8_t* blk = tile_at<kFmt>(panel, kb, true);
           widen_tile<kFmt>(blk, wt);
           for (int64_t i0 = 0; i0 < rows_in_unit; i0 += kVecRows) {
             const float* xr = widened.data() + i0 * k;
