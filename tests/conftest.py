@@ -51,6 +51,7 @@ SLOW_TESTS = {
     "tests/test_native_gemm.py::test_smollm2_bf16_through_the_kernel_matches_xla",
     "tests/test_native_gemm.py::test_avx2_and_sse_builds_give_the_same_bits[x86-64-v2]",
     "tests/test_native_gemm.py::test_avx2_and_sse_builds_give_the_same_bits[x86-64-v4]",
+    "tests/test_native_gemm.py::test_avx2_and_sse_builds_give_the_same_bits[alderlake]",
     "tests/test_gguf_blocks.py::test_smollm2_as_stored_blocks_decodes_as_its_dequantized_twin",
     "tests/test_gguf_blocks.py::test_smollm2_awq_through_the_block_kernel_decodes_as_xla_dequantizing",
     "tests/test_gguf_blocks.py::test_smollm2_int8_activations_stay_within_a_kl_bound_of_float_activations",

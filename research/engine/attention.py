@@ -128,11 +128,9 @@ def _xla_attention(
     scale: float,
     window: int | None = None,
     sinks: jax.Array | None = None,
-    context: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Reference attention of every query token: q [N, H, E], k_new / v_new [N, K, E] ->
-    (out [N, H, E] float32, lse [N, H] float32; lse excludes ``sinks``). ``context=False``:
-    over the new tokens only (the Pallas backend reads the context with its kernel).
+    (out [N, H, E] float32, lse [N, H] float32; lse excludes ``sinks``).
 
     Masked keys contribute exactly zero, even where the pages hold NaN (freed blocks)."""
     n, h, e = q.shape
@@ -158,7 +156,7 @@ def _xla_attention(
     s_new = jnp.where(see_new[:, None, None], s_new * scale, -jnp.inf)
     parts = [(s_new, see_new, v_new.astype(q.dtype), "QKGBN,NKE->QKGBE")]
 
-    if context and tables.shape[1] > 0:
+    if tables.shape[1] > 0:
         m, p = tables.shape[1], pool.k[slot].shape[2]
         rt = tables[row]  # [Q, M]
 
@@ -237,28 +235,6 @@ def native_attention(q, k_new, v_new, pool, slot, tables, meta, scale, window=No
         scale,
     )
     return out.astype(q.dtype)
-
-
-def merge_partials(
-    parts: list[tuple[jax.Array, jax.Array]], sinks: jax.Array | None = None
-) -> jax.Array:
-    """Softmax-weighted merge of partial attentions over disjoint keys: each (out [N, H, E]
-    normalized over its keys, lse [N, H]; -inf = no keys); ``sinks`` [H] join the
-    denominator. A query with no key at all gets 0."""
-    top = functools.reduce(jnp.maximum, [lse for _, lse in parts])
-    if sinks is not None:
-        sink = jnp.broadcast_to(sinks.astype(jnp.float32), top.shape)
-        top = jnp.maximum(top, sink)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    weights = [jnp.exp(lse - top) for _, lse in parts]
-    total = sum(weights)
-    if sinks is not None:
-        total = total + jnp.exp(sink - top)
-    denom = jnp.where(total > 0, total, 1.0)
-    out = sum(
-        w[..., None] * o.astype(jnp.float32) for w, (o, _) in zip(weights, parts, strict=True)
-    )
-    return out / denom[..., None]
 
 
 def pallas_attention(

@@ -59,7 +59,7 @@ class Engine:
         attention_backend: str = "auto",
         kv_cache_dtype: str = "auto",
         gemm_backend: str = "auto",
-        block_activations: str = "float",
+        block_activations: str | None = None,
         seed: int = 0,
         poison_freed_blocks: bool = False,
         clock: Callable[[], float] = time.perf_counter,

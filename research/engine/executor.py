@@ -122,14 +122,14 @@ class ModelExecutor:
         kv_fill_value: float = 0.0,
         plan: Any = None,
         gemm_backend: str = "auto",
-        block_activations: str = "float",
+        block_activations: str | None = None,
     ):
         """``plan``: a ``research.parallel.ShardingPlan`` to split the parameters and the KV pool
         over its devices (tensor / expert parallel); None runs on one device. ``gemm_backend``:
         "native" packs the bfloat16 projections for the AMX kernel (``research.native.gemm``),
         "xla" leaves them to XLA, "auto" picks native where it serves. ``block_activations``:
         how weights read as stored (GGUF, AWQ blocks) take their activations, "float" or "int8"
-        (``research.native.gemm.BlockWeight``)."""
+        (``research.native.gemm.BlockWeight``); None keeps each weight's own."""
         sharded = plan is not None and plan.size > 1
         self.gemm_backend = native_gemm.resolve(gemm_backend, dtype, sharded)
         choice = choose_attention_backend(
@@ -140,7 +140,8 @@ class ModelExecutor:
             # (their quantized matmul reads the QTensor as it is).
             awq = not choice.name.startswith("pallas")
             params = native_gemm.pack_params(params, cfg.tie_word_embeddings, awq_blocks=awq)
-        params = native_gemm.with_activations(params, block_activations)
+        if block_activations is not None:
+            params = native_gemm.with_activations(params, block_activations)
         self.attention_choice = choice
         self.backend = choice.name
         self.cfg = cfg

@@ -655,8 +655,7 @@ void tile_rows(const float* wt, const uint8_t* blk, const float* x, int64_t ldx,
 
 #if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512VNNI__)
 constexpr bool kDotFlipsQ80 = true;  // vpdpbusd multiplies unsigned codes: Q8_0's get + 128
-#elif defined(__x86_64__) && defined(__AVX2__) && !defined(__AVX512F__) && \
-    (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
+#elif defined(__x86_64__) && defined(__AVX2__) && !defined(__AVX512F__) && defined(__AVXVNNI__)
 constexpr bool kDotFlipsQ80 = true;
 #else
 constexpr bool kDotFlipsQ80 = false;
@@ -669,11 +668,6 @@ inline vi dot_u8(vi acc, vu a, uint32_t xw) {
   return reinterpret_cast<vi>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc),
                                                   reinterpret_cast<__m512i>(a),
                                                   _mm512_set1_epi32(static_cast<int>(xw))));
-#elif defined(__x86_64__) && defined(__AVX2__) && !defined(__AVX512F__) && defined(__AVX512VNNI__) && \
-    defined(__AVX512VL__)
-  return reinterpret_cast<vi>(_mm256_dpbusd_epi32(reinterpret_cast<__m256i>(acc),
-                                                  reinterpret_cast<__m256i>(a),
-                                                  _mm256_set1_epi32(static_cast<int>(xw))));
 #elif defined(__x86_64__) && defined(__AVX2__) && !defined(__AVX512F__) && defined(__AVXVNNI__)
   return reinterpret_cast<vi>(_mm256_dpbusd_avx_epi32(reinterpret_cast<__m256i>(acc),
                                                       reinterpret_cast<__m256i>(a),
