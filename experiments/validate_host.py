@@ -97,8 +97,9 @@ def _single_stream(run: RunConfig, backend: Any, prompt_len: int) -> dict:
 
 
 def fit_single_stream(run: RunConfig, real: Any, local: Any) -> tuple[Any, Any]:
-    """The single-stream runs of ``real`` (the workload's prompt and the longest max_model_len takes) and the
-    host model fitted on them, sized as ``local``'s engine (one replica's)."""
+    """The single-stream runs of ``real`` (the workload's prompt and the longest one
+    max_model_len takes) and the host model fitted on them, sized as ``local``'s engine (one
+    replica's)."""
     from research.perf.engines.serving import from_run
     from research.perf.host_model import SingleStream, fit_host
 
