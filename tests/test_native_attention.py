@@ -75,17 +75,17 @@ def test_kernel_matches_reference_and_never_reads_past_a_length(dtype, head_dim)
     assert np.all(np.asarray(out)[0] == 0) and np.all(np.isneginf(np.asarray(lse)[0]))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [64, 40])
-def test_packed_kernel_matches_reference_over_context_and_new_tokens(dtype, head_dim):
-    """Prefill chunks in one packed call: rows with and without cached context (whole pages, a
-    page + 1), chunks of 1, 16, 17 and 40 new tokens (several query blocks), an empty row and
-    padding tokens. Each token sees its row's context and the row's new tokens up to itself;
-    every page slot past a row's context is NaN."""
+def packed_case(dtype: str, head_dim: int, p: int) -> tuple[tuple, float, np.ndarray, int]:
+    """A packed call's inputs (pages of ``p`` tokens), its scale, the float64 reference and the
+    number of real tokens: rows with and without cached context (whole pages, a page + 1),
+    chunks of 1, 16, 17 and 40 new tokens (several query blocks; rows of one token are decode
+    rows, 3 query heads per kv head), an empty row and padding tokens; every page slot past a
+    row's context is NaN."""
     rng = np.random.default_rng(1)
-    kvh, h, blocks, p, m = 2, 6, 24, 8, 4
-    starts = np.array([0, 9, 16, 0, 3], np.int32)
-    counts = np.array([17, 1, 40, 0, 16], np.int32)
+    kvh, h, m = 2, 6, 64 // p
+    starts = np.array([0, 9, 16, 0, 3, 37], np.int32)
+    blocks = len(starts) * m
+    counts = np.array([17, 1, 40, 0, 16, 1], np.int32)
     firsts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32)
     n = int(counts.sum()) + 5  # padding tokens at the end
     tables = rng.permutation(blocks)[: len(starts) * m].reshape(-1, m).astype(np.int32)
@@ -106,8 +106,6 @@ def test_packed_kernel_matches_reference_over_context_and_new_tokens(dtype, head
     else:
         k_dev, v_dev = jnp.asarray(k_pages), jnp.asarray(v_pages)
     scale = head_dim**-0.5
-    call = jax.jit(lambda *a: native.packed_attention(*a, scale))
-    out = np.asarray(call(q, k_new, v_new, k_dev, v_dev, tables, starts, firsts, counts))
     ref = np.zeros((n, h, head_dim))
     g = h // kvh
     for i, (start, first, count) in enumerate(zip(starts, firsts, counts, strict=True)):
@@ -122,8 +120,23 @@ def test_packed_kernel_matches_reference_over_context_and_new_tokens(dtype, head
                 s = keys @ q[tok, head].astype(np.float64) * scale
                 w = np.exp(s - s.max())
                 ref[tok, head] = w @ vals / w.sum()
+    inputs = (q, k_new, v_new, k_dev, v_dev, tables, starts, firsts, counts)
+    return inputs, scale, ref, int(counts.sum())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 40])
+@pytest.mark.parametrize("page", [8, 16])
+def test_packed_kernel_matches_reference_over_context_and_new_tokens(dtype, head_dim, page):
+    """Prefill chunks and decode rows in one packed call (``packed_case``), pages of 8 tokens
+    (context in partial chunks of keys) and of 16 (whole chunks, the engine's default: keys
+    transposed by shuffles). Each token sees its row's context and the row's new tokens up to
+    itself."""
+    inputs, scale, ref, real = packed_case(dtype, head_dim, page)
+    call = jax.jit(lambda *a: native.packed_attention(*a, scale))
+    out = np.asarray(call(*inputs))
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
-    assert np.all(out[int(counts.sum()) :] == 0)
+    assert np.all(out[real:] == 0)
 
 
 def test_auto_resolves_to_native_on_cpu_only_where_it_serves():

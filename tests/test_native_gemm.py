@@ -259,7 +259,14 @@ def test_avx2_and_sse_builds_give_the_same_bits(tmp_path, arch):
         for fmt in ("q4_1", "q8_0"):
             bw = dataclasses.replace(blocks(fmt, 64, 128, seed=9), activations="int8")
             int8[fmt] = np.asarray(jax.jit(gemm.block_matmul)(xb, bw)).tolist()
-        print(json.dumps([native.built_march("gemm"), gemm.describe(), y.tolist(), int8]))
+        from tests.test_native_attention import packed_case
+        attention = []
+        for head_dim in (64, 40):
+            inputs, scale, _, _ = packed_case("bfloat16", head_dim, 16)
+            call = jax.jit(lambda *a: native.packed_attention(*a, scale))
+            attention.append(np.asarray(call(*inputs)).tolist())
+        print(json.dumps([native.built_march("gemm"), native.built_march("attention"),
+                          gemm.describe(), y.tolist(), int8, attention]))
         """
     )
     env = {**os.environ, "RESEARCH_NATIVE_MARCH": arch, "RESEARCH_GEMM_KERNEL": "vector",
@@ -268,8 +275,10 @@ def test_avx2_and_sse_builds_give_the_same_bits(tmp_path, arch):
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    built_for, described, y, int8 = json.loads(proc.stdout.splitlines()[-1])
-    assert built_for == arch
+    built_for, attention_built_for, described, y, int8, attention = json.loads(
+        proc.stdout.splitlines()[-1]
+    )
+    assert built_for == attention_built_for == arch
     assert described.startswith(f"vector ({ISA_BUILDS[arch]}")
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((7, 96)), jnp.bfloat16)
@@ -282,6 +291,11 @@ def test_avx2_and_sse_builds_give_the_same_bits(tmp_path, arch):
         bw = dataclasses.replace(blocks(fmt, 64, 128, seed=9), activations="int8")
         ref = int8_reference(xb, bw, fused=arch != "x86-64-v2")
         np.testing.assert_array_equal(np.asarray(got, np.float32), ref, err_msg=fmt)
+    from tests.test_native_attention import packed_case
+
+    for head_dim, got in zip((64, 40), attention, strict=True):
+        _, _, ref, _ = packed_case("bfloat16", head_dim, 16)
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5, err_msg=head_dim)
 
 
 def test_pack_params_fuses_and_packs_projections_only():

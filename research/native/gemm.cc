@@ -343,8 +343,10 @@ void vec_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const T* x
   auto run = [=](int64_t begin, int64_t end) {
     alignas(64) float acc[kVecUnitRows * 64];      // per row: even-k sums, odd-k sums
     alignas(64) float scratch[kVecUnitRows * 32];  // per row: even + odd
-    std::vector<float> widened;  // the current row unit in float32 (bfloat16 rows)
-    int64_t have = -1;           // which row unit `widened` holds
+    // The current row unit in float32 (bfloat16 rows); a thread's buffer outlives the call
+    // (a step makes ~1000 of these calls, each a malloc and free of up to 1536 floats before).
+    thread_local std::vector<float> widened;
+    int64_t have = -1;  // which row unit `widened` holds
     for (int64_t u = begin; u < end; ++u) {
       const int64_t g = u % groups, unit = u / groups;
       const T* panel = wp + g * panel_elems;
@@ -841,10 +843,11 @@ void block_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const vo
     alignas(64) float wt[32 * 32];                 // one tile's codes in float32
     alignas(64) float acc[kVecUnitRows * 32];      // the unit's running sums
     alignas(64) float rows_out[kVecRows * 32];
-    std::vector<float> widened, sums;  // the current row unit in float32, its block sums
-    std::vector<uint32_t> xw;          // int8 activations: its quantized blocks
-    std::vector<float> dx;
-    std::vector<int32_t> qsum;
+    // The current row unit in float32, its block sums; int8 activations: its quantized
+    // blocks, their scales and code sums (each thread's buffers outlive the call).
+    thread_local std::vector<float> widened, sums, dx;
+    thread_local std::vector<uint32_t> xw;
+    thread_local std::vector<int32_t> qsum;
     int64_t have = -1;
     for (int64_t u = begin; u < end; ++u) {
       const int64_t g = u % groups, unit = u / groups;
