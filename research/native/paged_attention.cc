@@ -436,11 +436,25 @@ void attend_block(const PackedShapes& s, const float* q, const float* k_new, con
   // The cached context: every query sees all of it.
   std::fill(visible.begin(), visible.end(), kChunk);
   const int64_t pages = std::min<int64_t>((start + p - 1) / p, s.m);
+  const int64_t elem = bf16 ? 2 : 4;
   for (int64_t j = 0; j < pages; ++j) {
     const int64_t block = tables[row * s.m + j];
     if (block < 0 || block >= s.blocks) continue;  // never read outside the pool
     const int64_t count = std::min(p, start - j * p);
     const int64_t base = ((k * s.blocks + block) * p) * e;
+    // The next page's keys and values while this one is scored: pages sit wherever the block
+    // table says, so no hardware prefetcher sees the next one coming.
+    if (j + 1 < pages) {
+      const int64_t next = tables[row * s.m + j + 1];
+      if (next >= 0 && next < s.blocks) {
+        const int64_t bytes = std::min(p, start - (j + 1) * p) * e * elem;
+        const int64_t at = ((k * s.blocks + next) * p) * e * elem;
+        for (int64_t b = 0; b < bytes; b += 64) {
+          __builtin_prefetch(static_cast<const char*>(kp) + at + b);
+          __builtin_prefetch(static_cast<const char*>(vp) + at + b);
+        }
+      }
+    }
     load(kp, bf16, base, count * e, kbuf);
     load(vp, bf16, base, count * e, vbuf);
     for (int64_t c0 = 0; c0 < count; c0 += kChunk) {
