@@ -15,8 +15,11 @@ speed, not a step's (a read fraction past 1 means the weights came from cache, n
 
 ``--chain`` times what a decode step's projections read instead: every layer's weights (30
 layers of distinct random weights, 269 MB in bfloat16) and the output head, each product
-feeding the next, against ``jnp.sum`` over a buffer of the same bytes, the two alternating in
-one process; the ratio of their times is how close the projections come to a plain read.
+feeding the next, against ``jnp.sum`` over a buffer of the same bytes and against the same
+weight buffers streamed one by one on the kernels' own threads (``gemm.stream``, integer sums
+of their words), the three alternating in one process; the ratios of their times are how close
+the projections come to a plain read (the stream is the sharper yardstick: the same buffers,
+threads and calls, only the arithmetic and access order differ).
 ``--dtype q4_1`` chains GGUF's Q4_1 blocks as stored (a Q8_0 head) through the block kernel,
 with float32 activations or (``--activations int8``) llama.cpp's int8 ones.
 """
@@ -157,10 +160,21 @@ def chain(
             x = x + product(h, down, dt)
         return product(x, head)
 
+    @jax.jit
+    def stream(weights, head):  # the same buffers read plainly, in the same order, one by one
+        total = jnp.uint32(0)
+        for w in [*weights, head]:
+            total = gemm.stream(w.packed, total)
+        return total
+
     buffer = jnp.ones(nbytes // 4, jnp.float32)
     read = jax.jit(jnp.sum)
     x = jnp.ones((rows, SHAPES[0][0]), dt)
-    runs = {"step": lambda: step(x, weights, head), "read": lambda: read(buffer)}
+    runs = {
+        "step": lambda: step(x, weights, head),
+        "read": lambda: read(buffer),
+        "stream": lambda: stream(weights, head),
+    }
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats + 1):  # the first round compiles and warms
         for name, fn in runs.items():
@@ -174,8 +188,10 @@ def chain(
     print(
         f"chain rows={rows} {label}: {nbytes / 1e6:.0f} MB; projections "
         f"{med['step'] * 1e3:.2f} ms ({nbytes / med['step'] / 1e9:.1f} GB/s), read "
-        f"{med['read'] * 1e3:.2f} ms ({nbytes / med['read'] / 1e9:.1f} GB/s): "
-        f"{med['read'] / med['step']:.2f} of a read"
+        f"{med['read'] * 1e3:.2f} ms ({nbytes / med['read'] / 1e9:.1f} GB/s), stream "
+        f"{med['stream'] * 1e3:.2f} ms ({nbytes / med['stream'] / 1e9:.1f} GB/s): "
+        f"{med['read'] / med['step']:.2f} of a read, {med['stream'] / med['step']:.2f} of the "
+        "stream"
     )
 
 

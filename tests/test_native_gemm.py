@@ -298,6 +298,20 @@ def test_avx2_and_sse_builds_give_the_same_bits(tmp_path, arch):
         np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5, err_msg=head_dim)
 
 
+def test_stream_sums_every_word_of_the_buffer():
+    """``gemm.stream`` (the yardstick ``bench_gemm --chain`` reads weights with): the wrapping
+    uint32 sum of every 32-bit word, tails shorter than a vector and a thread's piece included,
+    plus ``start``; it fails if any word is skipped or read twice."""
+    rng = np.random.default_rng(3)
+    for words in (1, 17, 4096 * 3 + 5, 300_001):
+        raw = rng.integers(0, 2**32, words, dtype=np.uint32)
+        expect = (int(raw.astype(np.uint64).sum()) + 7) % 2**32
+        x = jnp.asarray(raw.view(np.uint8))
+        assert int(jax.jit(gemm.stream)(x, 7)) == expect, words
+    with pytest.raises(ValueError, match="32-bit words"):
+        gemm.stream(jnp.zeros(6, jnp.uint8))
+
+
 def test_pack_params_fuses_and_packs_projections_only():
     """q/k/v fuse into wqkv (q, then k, then v) and a dense MLP's gate/up into w_gate_up (per
     16-column panel: gate, then up) where they tile; wo and w_down are packed alone; norms, 3-D

@@ -65,6 +65,7 @@ FAMILIES: dict[str, tuple[list[Path], dict[str, str]]] = {
             "research_gemm_bf16": "GemmBf16",
             "research_gemm_f32": "GemmF32",
             "research_gemm_blocks": "GemmBlocks",
+            "research_stream": "Stream",
         },
     ),
 }
@@ -72,6 +73,7 @@ _TARGET = "research_paged_attention"
 _GEMM_TARGET = "research_gemm_bf16"
 _GEMM_F32_TARGET = "research_gemm_f32"
 _GEMM_BLOCKS_TARGET = "research_gemm_blocks"
+_STREAM_TARGET = "research_stream"
 _PACKED_TARGET = "research_packed_attention"
 BUILD_TIMEOUT_S = 600.0
 _lock = threading.Lock()

@@ -38,6 +38,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -1084,6 +1085,41 @@ extern "C" const char* ResearchGemmVectorIsa() {
 #endif
 }
 
+// ---- A plain read on the kernels' threads (the yardstick of bench_gemm --chain) -------------
+//
+// The wrapping sum of a buffer's 32-bit words: its bytes stream through the kernels' own pool,
+// one contiguous piece per thread as a decode-sized product streams its panels, with none of
+// the product's arithmetic. A step's projections held against this over the same buffers, in
+// the same process and minute, say what the kernels lose to their arithmetic and layout alone
+// (a jnp.sum of one large buffer on XLA's pool read 0.82-0.95 of a plain two-thread loop).
+// `start` is added to the sum: chaining calls through it keeps them one after another.
+ffi::Error StreamImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> start,
+                      ffi::Result<ffi::Buffer<ffi::U32>> out) {
+  const auto* p = static_cast<const uint32_t*>(x.untyped_data());
+  const int64_t words = static_cast<int64_t>(x.size_bytes() / 4);
+  constexpr int64_t kUnitWords = 4096;  // 16 KB
+  std::atomic<uint32_t> total{0};
+  research_native::parallel_for(pool, (words + kUnitWords - 1) / kUnitWords, 1,
+                                [&](int64_t begin, int64_t end) {
+    vu s0 = {}, s1 = {}, s2 = {}, s3 = {};
+    int64_t i = begin * kUnitWords;
+    const int64_t stop = std::min(words, end * kUnitWords);
+    for (; i + 4 * kLanes <= stop; i += 4 * kLanes) {
+      s0 += *reinterpret_cast<const vuu*>(p + i);
+      s1 += *reinterpret_cast<const vuu*>(p + i + kLanes);
+      s2 += *reinterpret_cast<const vuu*>(p + i + 2 * kLanes);
+      s3 += *reinterpret_cast<const vuu*>(p + i + 3 * kLanes);
+    }
+    const vu sum = s0 + s1 + s2 + s3;
+    uint32_t t = 0;
+    for (int l = 0; l < kLanes; ++l) t += sum[l];
+    for (; i < stop; ++i) t += p[i];
+    total.fetch_add(t, std::memory_order_relaxed);
+  });
+  *out->typed_data() = *start.typed_data() + total.load();
+  return ffi::Error::Success();
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmBf16, GemmImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -1110,3 +1146,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmBlocks, GemmBlocksImpl,
                                   .Attr<int32_t>("epilogue")
                                   .Attr<int32_t>("activations")
                                   .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Stream, StreamImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>());

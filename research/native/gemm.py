@@ -451,3 +451,16 @@ def block_matmul(x: jax.Array, w: BlockWeight, out_dtype: Any = jnp.float32) -> 
         activations=np.int32(BLOCK_ACTIVATIONS.index(w.activations)),
     )
     return y.reshape(*lead, w.out_features)
+
+
+def stream(x: jax.Array, start: Any = 0) -> jax.Array:
+    """``start`` plus the wrapping uint32 sum of ``x``'s bytes read as 32-bit words, streamed
+    on the native kernels' threads: a plain read of the buffer, the yardstick ``bench_gemm
+    --chain`` holds a step's projections against (``gemm.cc``). Calls chained through
+    ``start`` run one after another."""
+    if not native.available("gemm"):
+        raise RuntimeError(f"native gemm unavailable: {native.build_error('gemm')}")
+    if x.nbytes % 4:
+        raise ValueError(f"stream reads 32-bit words; x has {x.nbytes} bytes")
+    out = jax.ShapeDtypeStruct((), jnp.uint32)
+    return jax.ffi.ffi_call(native._STREAM_TARGET, out)(x, jnp.asarray(start, jnp.uint32))
