@@ -4,7 +4,9 @@
    TTFT) and a second, longer prompt (TTFT): the only numbers the host model is fitted on
    (``research.perf.host_model.fit_host``), as GB10 is fitted on single-request points.
 2. The fitted model predicts the concurrency sweep: our engine and scheduler over a simulated
-   executor with the real engine's KV pool, the same requests, the same seeds.
+   executor with the real engine's KV pool, the same requests, the same seeds. With
+   ``experiment.refit_per_point=true`` step 1 runs again (fresh prompts) right before each
+   point, so each prediction comes from single streams of its own minute.
 3. The real engine runs the sweep; predicted and measured are printed side by side with the
    error of per-user tok/s, aggregate output tok/s and median TTFT, and the median |error| of
    per-user tok/s over the sweep.
@@ -60,7 +62,7 @@ class SimulatedBackend:
         return self.engine.stats()
 
 
-def _single_stream(run: RunConfig, backend: Any, prompt_len: int) -> dict:
+def _single_stream(run: RunConfig, backend: Any, prompt_len: int, round_: int = 0) -> dict:
     """Median TPOT and TTFT (ms) of ``prompts_per_concurrency`` requests sent one at a time,
     after untimed requests of the same lengths (one, or two per replica behind a router), and the engine's host seconds per step
     (None where the backend does not report it: replicas behind the router, measured over
@@ -69,7 +71,8 @@ def _single_stream(run: RunConfig, backend: Any, prompt_len: int) -> dict:
 
     w = dataclasses.replace(run.workload, input_len=prompt_len)
     one = dataclasses.replace(run, workload=w)
-    seed = w.seed * 1_000_003 + prompt_len
+    # Fresh prompts each round: a repeated fit must not find its prompts in the prefix cache.
+    seed = w.seed * 1_000_003 + prompt_len + 7919 * round_
     # Untimed requests first: one per engine is not enough behind a router, which may send the
     # timed ones to a replica that has not run these shapes yet (a compile inside the timing).
     warmups = 2 * run.hardware.num_replicas if run.hardware.num_replicas > 1 else 1
@@ -96,7 +99,7 @@ def _single_stream(run: RunConfig, backend: Any, prompt_len: int) -> dict:
     return out
 
 
-def fit_single_stream(run: RunConfig, real: Any, local: Any) -> tuple[Any, Any]:
+def fit_single_stream(run: RunConfig, real: Any, local: Any, round_: int = 0) -> tuple[Any, Any]:
     """The single-stream runs of ``real`` (the workload's prompt and the longest one
     max_model_len takes) and the host model fitted on them, sized as ``local``'s engine (one
     replica's)."""
@@ -116,7 +119,7 @@ def fit_single_stream(run: RunConfig, real: Any, local: Any) -> tuple[Any, Any]:
     log.info(
         f"[validate_host] {real.label}: single-stream runs (prompts {w.input_len}, {long_prompt})"
     )
-    runs = {n: _single_stream(run, real, n) for n in (w.input_len, long_prompt)}
+    runs = {n: _single_stream(run, real, n, round_) for n in (w.input_len, long_prompt)}
 
     def mean(key: str) -> float | None:  # over the two runs; None where a run did not measure it
         values = [r.get(key) for r in runs.values()]
@@ -167,21 +170,29 @@ def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
     real = ReplicasBackend(run) if replicas > 1 else local
     engine = local.llm.engine
     w = run.workload
-    measured, model = fit_single_stream(run, real, local)
-    log.info(f"  {describe_fit(measured, model)}")
     cache = dataclasses.replace(engine.cache_config, num_kv_blocks=engine.block_manager.num_blocks)
-    boxes = [
-        simulated_engine(model, cache, engine.scheduler_config, engine.max_model_len)
-        for _ in range(replicas)
-    ]
-    sim_engine = (
-        ReplicaRouter(boxes, seed=w.seed, routing=run.hardware.routing)
-        if replicas > 1
-        else boxes[0]
-    )
-    sim = SimulatedBackend(sim_engine, real, f"host-model {run.model.model}")
+
+    def fitted(round_: int) -> tuple[Any, Any, SimulatedBackend]:
+        measured, model = fit_single_stream(run, real, local, round_)
+        log.info(f"  {describe_fit(measured, model)}")
+        boxes = [
+            simulated_engine(model, cache, engine.scheduler_config, engine.max_model_len)
+            for _ in range(replicas)
+        ]
+        sim_engine = (
+            ReplicaRouter(boxes, seed=w.seed, routing=run.hardware.routing)
+            if replicas > 1
+            else boxes[0]
+        )
+        return measured, model, SimulatedBackend(sim_engine, real, f"host-model {run.model.model}")
+
+    measured, model, sim = fitted(0)
+    fits = []
     rows = []
-    for c in run.experiment.concurrencies:
+    for i, c in enumerate(run.experiment.concurrencies):
+        if run.experiment.refit_per_point and i > 0:
+            measured, model, sim = fitted(i)
+        fits.append(describe_fit(measured, model))
         predicted = run_point(run, sim, c, progress=False) | {"executor": "host-model"}
         t = time.perf_counter()
         got = run_point(run, real, c, progress=False)
@@ -195,7 +206,14 @@ def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
             f"{got['per_user_tok_s']:6.1f} measured ({errors['per_user_tok_s']:+.0f}%) "
             f"[{time.perf_counter() - t:.0f} s]"
         )
-    table = describe_fit(measured, model) + "\n\n" + format_validation(rows)
+    if run.experiment.refit_per_point:
+        fit_lines = "\n".join(
+            f"- before concurrency {c}: {f}"
+            for c, f in zip(run.experiment.concurrencies, fits, strict=True)
+        )
+        table = "fitted again before each point:\n" + fit_lines + "\n\n" + format_validation(rows)
+    else:
+        table = fits[0] + "\n\n" + format_validation(rows)
     (out_dir / "validate_host.md").write_text(table + "\n")
     write_csv([r[k] for k in ("measured", "predicted") for r in rows], out_dir / "results.csv")
     log.info("\n%s", table)

@@ -566,6 +566,9 @@ class ExperimentConfig:
     slo_tpot_ms: float | None = None
     slo_e2el_ms: float | None = None
     prediction_band: bool = False  # simulated: rerun under research.perf.bands' variants
+    # runner validate_host: fit the host model again right before each point, on single streams
+    # of that minute (a shared host's speed drifts between the fit and a later point)
+    refit_per_point: bool = False
     # Runs of every point (new prompts each: seed from the repeat), averaged with a 95%
     # bootstrap interval by experiments.compare / research.bench.stats.
     repeats: int = 1
