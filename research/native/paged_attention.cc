@@ -243,8 +243,8 @@ struct PackedShapes {
   int64_t n, h, e, kvh, blocks, p, m, g, r;
 };
 
-// Keys transposed by shuffles of the target's own vector width (kW lanes: a 16-lane vector
-// shuffle on AVX2 or NEON became element moves, 2-3x slower than the scalar loop): square
+// Keys transposed by shuffles of the target's own vector width (kW lanes: 16-lane shuffles built
+// for AVX2 or SSE4 ran 2.1-2.7x slower than the scalar loop): square
 // blocks of kW x kW, log2(kW) steps each; step T pairs rows r and r | (1 << T) (bit T of r
 // clear) and swaps row bit T with lane bit T, so the last step leaves (row c, lane i) at (row i,
 // lane c). Moves only: the same values on every target. 16 x 64 floats took 64 ns against the
