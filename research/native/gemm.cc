@@ -234,12 +234,13 @@ void gemm(ffi::ThreadPool&, int64_t, int64_t, int64_t, const uint16_t*, const ui
 // Vectors of the target's native width (a wider GCC vector would be split into registers
 // the compiler spills); a pass covers kPassCols of a panel's 32 columns for kVecRows rows, its
 // 2 x kVecRows x kPassCols / kLanes accumulators and the pass's weights in registers.
+constexpr int kLanes = research_native::kNativeLanes;
 #if defined(__AVX512F__)
-constexpr int kLanes = 16, kVecRows = 4, kPassCols = 32;  // 16 accumulators of 32 registers
+constexpr int kVecRows = 4, kPassCols = 32;  // 16 accumulators of 32 registers
 #elif defined(__AVX__)
-constexpr int kLanes = 8, kVecRows = 2, kPassCols = 16;  // 8 accumulators of 16 registers
+constexpr int kVecRows = 2, kPassCols = 16;  // 8 accumulators of 16 registers
 #else  // NEON, SSE: 128-bit vectors (32 registers on NEON, 16 on SSE)
-constexpr int kLanes = 4, kVecRows = 2, kPassCols = 16;
+constexpr int kVecRows = 2, kPassCols = 16;
 #endif
 constexpr int kPassVecs = kPassCols / kLanes;
 constexpr int64_t kVecUnitRows = 64;

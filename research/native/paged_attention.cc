@@ -249,13 +249,7 @@ struct PackedShapes {
 // clear) and swaps row bit T with lane bit T, so the last step leaves (row c, lane i) at (row i,
 // lane c). Moves only: the same values on every target. 16 x 64 floats took 64 ns against the
 // scalar loop's 310 (AVX-512), 318 (AVX2) and 405 (SSE4) on one Xeon core.
-#if defined(__AVX512F__)
-constexpr int kW = 16;
-#elif defined(__AVX__)
-constexpr int kW = 8;
-#else  // SSE, NEON: 128-bit vectors
-constexpr int kW = 4;
-#endif
+constexpr int kW = research_native::kNativeLanes;
 constexpr int kTransposeSteps = kW == 16 ? 4 : kW == 8 ? 3 : 2;
 typedef float vw __attribute__((vector_size(kW * 4)));
 typedef float vwu __attribute__((vector_size(kW * 4), aligned(4)));

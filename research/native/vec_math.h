@@ -6,6 +6,16 @@
 
 namespace research_native {
 
+// float32 lanes of the target's own vectors: the width a kernel's loops and shuffles are built
+// around (a wider GCC vector is split into registers, and its shuffles into element moves).
+#if defined(__AVX512F__)
+constexpr int kNativeLanes = 16;
+#elif defined(__AVX__)
+constexpr int kNativeLanes = 8;
+#else  // SSE, NEON: 128-bit vectors
+constexpr int kNativeLanes = 4;
+#endif
+
 typedef float v16 __attribute__((vector_size(64)));  // 16 float32 lanes
 typedef float v16u __attribute__((vector_size(64), aligned(4)));  // the same, unaligned
 typedef int32_t v16i __attribute__((vector_size(64)));
