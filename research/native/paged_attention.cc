@@ -272,69 +272,153 @@ inline void transpose_block(vw* r, std::integer_sequence<int, T...>) {
   (transpose_step<T>(r, std::make_integer_sequence<int, kW>{}), ...);
 }
 
-// dst[i * kChunk + c] = src[c * ld + i] for the kChunk keys c and i < e (a multiple of kW).
-inline void transpose_keys(const float* src, int64_t ld, int64_t e, float* dst) {
+// Page elements as float32: float32 as stored, bfloat16 (uint16_t bits) widened exactly.
+inline float to_f32(float x) { return x; }
+inline float to_f32(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+typedef uint16_t vwh __attribute__((vector_size(kW * 2), aligned(2)));
+typedef uint32_t vwi __attribute__((vector_size(kW * 4)));
+inline vw load_w(const float* p) { return *reinterpret_cast<const vwu*>(p); }
+inline vw load_w(const uint16_t* p) {
+  return reinterpret_cast<vw>(__builtin_convertvector(*reinterpret_cast<const vwh*>(p), vwi) << 16);
+}
+inline v16 load_16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline v16 load_16(const uint16_t* p) {
+  return reinterpret_cast<v16>(
+      __builtin_convertvector(*reinterpret_cast<const research_native::v16h*>(p),
+                              research_native::v16ui)
+      << 16);
+}
+
+// dst[i * kChunk + c] = src[c * ld + i] (as float32) for keys c < count and i < e (a multiple
+// of kW); keys from count on are 0. Each key's row is read once, straight from its page.
+template <typename T>
+inline void transpose_keys(const T* src, int64_t ld, int64_t e, int64_t count, float* dst) {
   for (int64_t i0 = 0; i0 < e; i0 += kW) {
     for (int c0 = 0; c0 < kChunk; c0 += kW) {
       vw r[kW];
-      for (int c = 0; c < kW; ++c) r[c] = *reinterpret_cast<const vwu*>(src + (c0 + c) * ld + i0);
+      for (int c = 0; c < kW; ++c) r[c] = c0 + c < count ? load_w(src + (c0 + c) * ld + i0) : vw{};
       transpose_block(r, std::make_integer_sequence<int, kTransposeSteps>{});
       for (int i = 0; i < kW; ++i) *reinterpret_cast<vwu*>(dst + (i0 + i) * kChunk + c0) = r[i];
     }
   }
 }
 
-// Adds keys kbuf/vbuf [count <= kChunk, E] to the running softmax of `nq` queries qs [nq, E];
-// query i sees key c when c < visible[i].
-template <int HEAD_DIM>
-void attend_chunk(const float* qs, int64_t nq, int64_t e_dyn, const float* kbuf,
-                  const float* vbuf, int64_t count, const int64_t* visible, float* acc, float* mx,
-                  float* sum, v16* scores) {
+// The largest and the sum of a vector's 16 lanes, halving the lanes each step (max is exact in
+// any order; the sum's order is fixed: the same bits on every target).
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+inline float lanes_max(v16 x) {
+  const v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7);
+  const v8 b = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v8 m8 = a > b ? a : b;
+  const v4 c = __builtin_shufflevector(m8, m8, 0, 1, 2, 3), d = __builtin_shufflevector(m8, m8, 4, 5, 6, 7);
+  const v4 m4 = c > d ? c : d;
+  return std::max(std::max(m4[0], m4[2]), std::max(m4[1], m4[3]));
+}
+inline float lanes_sum(v16 x) {
+  const v8 s8 = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// Scores of Q queries (query j at q + j * e) against the transposed keys: 16 keys per vector,
+// each query's dot products over k in two halves (dimensions i and e / 2 + i, then the odd last
+// one) added at the end, so 2 Q independent chains of fused multiply-adds share each key load (a
+// decode step's 1-4 query heads per kv head left the FMA units waiting on one chain each).
+template <int Q>
+inline void score_queries(const float* q, int64_t e, const v16* kt, v16* out) {
+  v16 lo[Q] = {}, hi[Q] = {};
+  const int64_t half = e / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const v16 ka = kt[i], kb = kt[half + i];
+    for (int j = 0; j < Q; ++j) {
+      lo[j] += q[j * e + i] * ka;
+      hi[j] += q[j * e + half + i] * kb;
+    }
+  }
+  if (e % 2) {
+    for (int j = 0; j < Q; ++j) lo[j] += q[j * e + e - 1] * kt[e - 1];
+  }
+  for (int j = 0; j < Q; ++j) out[j] = lo[j] + hi[j];
+}
+
+// acc[j] += sum over keys c < count of p[j][c] * v[c] for Q queries (accumulators [Q, E] in
+// registers across the keys, each V vector loaded once for all of them).
+// Prefetches row c of the next page's keys and values (from k_ahead and v_ahead; null:
+// none), one row per key of this chunk, so the loads spread over the
+// chunk's work instead of stalling in a burst (64 back to back took a tenth of a decode step's
+// attention on a Xeon).
+template <typename T>
+inline void prefetch_row(const T* k_ahead, const T* v_ahead, int64_t e, int64_t c) {
+  if (k_ahead == nullptr) return;
+  const char* k = reinterpret_cast<const char*>(k_ahead + c * e);
+  const char* v = reinterpret_cast<const char*>(v_ahead + c * e);
+  for (int64_t b = 0; b < e * static_cast<int64_t>(sizeof(T)); b += 64) {
+    __builtin_prefetch(k + b);
+    __builtin_prefetch(v + b);
+  }
+}
+
+template <int HEAD_DIM, int Q, typename T>
+inline void weigh_values(const float* p, const T* vbuf, int64_t count, float* acc,
+                         const T* k_ahead, const T* v_ahead) {
+  constexpr int kVecs = HEAD_DIM / 16;
+  v16 x[Q][kVecs];
+  for (int j = 0; j < Q; ++j) {
+    for (int v = 0; v < kVecs; ++v) x[j][v] = reinterpret_cast<const v16u*>(acc + j * HEAD_DIM)[v];
+  }
+  for (int64_t c = 0; c < count; ++c) {
+    prefetch_row(k_ahead, v_ahead, HEAD_DIM, c);
+    v16 vt[kVecs];
+    for (int v = 0; v < kVecs; ++v) vt[v] = load_16(vbuf + c * HEAD_DIM + v * 16);
+    for (int j = 0; j < Q; ++j) {
+      const float w = p[j * kChunk + c];
+      for (int v = 0; v < kVecs; ++v) x[j][v] += w * vt[v];
+    }
+  }
+  for (int j = 0; j < Q; ++j) {
+    for (int v = 0; v < kVecs; ++v) reinterpret_cast<v16u*>(acc + j * HEAD_DIM)[v] = x[j][v];
+  }
+}
+
+// Queries whose accumulators a pass of weigh_values holds in registers: 4 x 4 vectors of 16
+// (HEAD_DIM 64) and the V row fit AVX-512's 32 registers; narrower targets split each into 2-4.
+constexpr int kValueQueries = kW == 16 ? 4 : 2;
+
+// Adds keys kbuf/vbuf [count <= kChunk, E] (float32, or bfloat16 bits read from the pages in
+// place) to the running softmax of `nq` queries qs [nq, E]; query i sees key c when
+// c < visible[i].
+template <int HEAD_DIM, typename T>
+void attend_chunk(const float* qs, int64_t nq, int64_t e_dyn, const T* kbuf,
+                  const T* vbuf, int64_t count, const int64_t* visible, float* acc, float* mx,
+                  float* sum, v16* scores, const T* k_ahead = nullptr,
+                  const T* v_ahead = nullptr) {
   const int64_t e = HEAD_DIM > 0 ? HEAD_DIM : e_dyn;
   alignas(64) float kt[256 * kChunk];  // [E, kChunk]: keys transposed, zero past count
   const v16* kt_vec = reinterpret_cast<const v16*>(kt);
   const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  if (count == kChunk && e % kW == 0) {
-    transpose_keys(kbuf, e, e, kt);  // a full chunk (most of them): by shuffles
+  if (e % kW == 0) {
+    transpose_keys(kbuf, e, e, count, kt);  // by shuffles (every head size in use)
   } else {
     for (int64_t i = 0; i < e; ++i) {
 #pragma omp simd
-      for (int64_t c = 0; c < kChunk; ++c) kt[i * kChunk + c] = c < count ? kbuf[c * e + i] : 0.0f;
+      for (int64_t c = 0; c < kChunk; ++c) kt[i * kChunk + c] = c < count ? to_f32(kbuf[c * e + i]) : 0.0f;
     }
   }
-  // Scores: 16 keys per vector register, four queries at a time (independent FMA chains that
-  // share each key load), the last 1-3 together (a decode step's query heads of one kv head:
-  // one at a time, each 64-deep chain waited on the one before).
+  // Scores, four queries at a time, then the last 1-3 together.
   int64_t qi = 0;
-  for (; qi + 4 <= nq; qi += 4) {
-    const float* q0 = qs + qi * e;
-    v16 d0 = {}, d1 = {}, d2 = {}, d3 = {};
-    for (int64_t i = 0; i < e; ++i) {
-      const v16 k = kt_vec[i];
-      d0 += q0[i] * k;
-      d1 += q0[e + i] * k;
-      d2 += q0[2 * e + i] * k;
-      d3 += q0[3 * e + i] * k;
-    }
-    scores[qi] = d0;
-    scores[qi + 1] = d1;
-    scores[qi + 2] = d2;
-    scores[qi + 3] = d3;
-  }
-  if (const int64_t rest = nq - qi; rest > 0) {
-    const float* q0 = qs + qi * e;
-    const float* q1 = rest > 1 ? q0 + e : q0;
-    const float* q2 = rest > 2 ? q0 + 2 * e : q0;
-    v16 d0 = {}, d1 = {}, d2 = {};
-    for (int64_t i = 0; i < e; ++i) {
-      const v16 k = kt_vec[i];
-      d0 += q0[i] * k;
-      d1 += q1[i] * k;
-      d2 += q2[i] * k;
-    }
-    scores[qi] = d0;
-    if (rest > 1) scores[qi + 1] = d1;
-    if (rest > 2) scores[qi + 2] = d2;
+  for (; qi + 4 <= nq; qi += 4) score_queries<4>(qs + qi * e, e, kt_vec, scores + qi);
+  switch (nq - qi) {
+    case 3: score_queries<3>(qs + qi * e, e, kt_vec, scores + qi); break;
+    case 2: score_queries<2>(qs + qi * e, e, kt_vec, scores + qi); break;
+    case 1: score_queries<1>(qs + qi * e, e, kt_vec, scores + qi); break;
+    default: break;
   }
   // The running softmax of each query; scores become the chunk's weights (0 where masked).
   for (qi = 0; qi < nq; ++qi) {
@@ -344,59 +428,43 @@ void attend_chunk(const float* qs, int64_t nq, int64_t e_dyn, const float* kbuf,
       continue;
     }
     const v16 dot = lane < static_cast<int32_t>(vis) ? scores[qi] : v16{} - INFINITY;
-    float chunk_max = dot[0];
-    for (int c = 1; c < kChunk; ++c) chunk_max = std::max(chunk_max, dot[c]);
-    const float new_max = std::max(mx[qi], chunk_max);
+    const float new_max = std::max(mx[qi], lanes_max(dot));
     const float correction = std::isinf(mx[qi]) ? 0.0f : exp_nonpositive(mx[qi] - new_max);
     mx[qi] = new_max;
     const v16 p = exp_nonpositive16(dot - new_max);
     scores[qi] = p;
-    float total = 0.0f;
-    for (int c = 0; c < kChunk; ++c) total += p[c];
-    sum[qi] = sum[qi] * correction + total;
+    sum[qi] = sum[qi] * correction + lanes_sum(p);
     if (correction != 1.0f) {
       float* a = acc + qi * e;
 #pragma omp simd
       for (int64_t i = 0; i < e; ++i) a[i] *= correction;
     }
   }
-  // Weighted values, two queries at a time with their accumulators in registers.
+  // Weighted values, kValueQueries queries at a time with their accumulators in registers.
   const int64_t keys = std::min<int64_t>(count, kChunk);
+  const float* pw = reinterpret_cast<const float*>(scores);
   if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
-    constexpr int kVecs = HEAD_DIM / 16;
-    for (qi = 0; qi < nq; qi += 2) {
-      const bool two = qi + 1 < nq;
-      float* a0 = acc + qi * e;
-      float* a1 = two ? a0 + e : a0;
-      const float* p0 = reinterpret_cast<const float*>(&scores[qi]);
-      const float* p1 = two ? p0 + kChunk : p0;
-      v16 x0[kVecs], x1[kVecs];
-      for (int j = 0; j < kVecs; ++j) {
-        x0[j] = reinterpret_cast<const v16u*>(a0)[j];
-        x1[j] = two ? reinterpret_cast<const v16u*>(a1)[j] : v16{};
-      }
-      for (int64_t c = 0; c < keys; ++c) {
-        const v16u* vt = reinterpret_cast<const v16u*>(vbuf + c * e);
-        const float w0 = p0[c], w1 = two ? p1[c] : 0.0f;
-        for (int j = 0; j < kVecs; ++j) {
-          x0[j] += w0 * vt[j];
-          x1[j] += w1 * vt[j];
-        }
-      }
-      for (int j = 0; j < kVecs; ++j) {
-        reinterpret_cast<v16u*>(a0)[j] = x0[j];
-        if (two) reinterpret_cast<v16u*>(a1)[j] = x1[j];
+    for (qi = 0; qi < nq; qi += kValueQueries) {
+      const float* p = pw + qi * kChunk;
+      float* a = acc + qi * e;
+      if (qi > 0) k_ahead = nullptr;  // the first pass has prefetched
+      switch (std::min<int64_t>(kValueQueries, nq - qi)) {
+        case 1: weigh_values<HEAD_DIM, 1>(p, vbuf, keys, a, k_ahead, v_ahead); break;
+        case 2: weigh_values<HEAD_DIM, 2>(p, vbuf, keys, a, k_ahead, v_ahead); break;
+        case 3: weigh_values<HEAD_DIM, 3>(p, vbuf, keys, a, k_ahead, v_ahead); break;
+        default: weigh_values<HEAD_DIM, kValueQueries>(p, vbuf, keys, a, k_ahead, v_ahead); break;
       }
     }
   } else {
+    for (int64_t c = 0; c < keys; ++c) prefetch_row(k_ahead, v_ahead, e, c);
     for (qi = 0; qi < nq; ++qi) {
-      const float* pw = reinterpret_cast<const float*>(&scores[qi]);
+      const float* p = pw + qi * kChunk;
       float* a = acc + qi * e;
       for (int64_t c = 0; c < keys; ++c) {
-        const float w = pw[c];
-        const float* vt = vbuf + c * e;
+        const float w = p[c];
+        const T* vt = vbuf + c * e;
 #pragma omp simd
-        for (int64_t i = 0; i < e; ++i) a[i] += w * vt[i];
+        for (int64_t i = 0; i < e; ++i) a[i] += w * to_f32(vt[i]);
       }
     }
   }
@@ -409,7 +477,7 @@ void attend_block(const PackedShapes& s, const float* q, const float* k_new, con
                   int64_t start, int64_t first, int64_t row, int64_t k, int64_t t0, int64_t t1,
                   float scale, float* out, std::vector<float>& work) {
   const int64_t g = s.g, e = s.e, p = s.p, nq = (t1 - t0) * g;
-  work.resize(2 * nq * e + 2 * nq + 2 * kChunk * e + 2 * p * e);
+  work.resize(2 * nq * e + 2 * nq + 2 * kChunk * e);
   thread_local std::vector<int64_t> visible;  // a thread's buffers outlive the unit
   thread_local std::vector<v16> scores;
   visible.resize(nq);
@@ -418,8 +486,8 @@ void attend_block(const PackedShapes& s, const float* q, const float* k_new, con
   float* acc = qs + nq * e;         // [nq, E]
   float* mx = acc + nq * e;         // [nq]
   float* sum = mx + nq;             // [nq]
-  float* kbuf = sum + nq;           // [kChunk or P, E]
-  float* vbuf = kbuf + std::max(kChunk, p) * e;
+  float* kbuf = sum + nq;           // [kChunk, E]: the call's own new keys
+  float* vbuf = kbuf + kChunk * e;  // [kChunk, E]: and values
   for (int64_t t = t0; t < t1; ++t) {
     const float* qt = q + ((first + t) * s.h + k * g) * e;
     for (int64_t i = 0; i < g * e; ++i) qs[(t - t0) * g * e + i] = qt[i] * scale;
@@ -430,30 +498,31 @@ void attend_block(const PackedShapes& s, const float* q, const float* k_new, con
   // The cached context: every query sees all of it.
   std::fill(visible.begin(), visible.end(), kChunk);
   const int64_t pages = std::min<int64_t>((start + p - 1) / p, s.m);
-  const int64_t elem = bf16 ? 2 : 4;
   for (int64_t j = 0; j < pages; ++j) {
     const int64_t block = tables[row * s.m + j];
     if (block < 0 || block >= s.blocks) continue;  // never read outside the pool
     const int64_t count = std::min(p, start - j * p);
     const int64_t base = ((k * s.blocks + block) * p) * e;
-    // The next page's keys and values while this one is scored: pages sit wherever the block
-    // table says, so no hardware prefetcher sees the next one coming.
-    if (j + 1 < pages) {
-      const int64_t next = tables[row * s.m + j + 1];
-      if (next >= 0 && next < s.blocks) {
-        const int64_t bytes = std::min(p, start - (j + 1) * p) * e * elem;
-        const int64_t at = ((k * s.blocks + next) * p) * e * elem;
-        for (int64_t b = 0; b < bytes; b += 64) {
-          __builtin_prefetch(static_cast<const char*>(kp) + at + b);
-          __builtin_prefetch(static_cast<const char*>(vp) + at + b);
-        }
-      }
-    }
-    load(kp, bf16, base, count * e, kbuf);
-    load(vp, bf16, base, count * e, vbuf);
+    // The next page's keys and values are fetched while this one is scored (pages sit wherever
+    // the block table says, so no hardware prefetcher sees the next one coming): each chunk
+    // prefetches the same rows of the next page. The page's own are read in place (bfloat16
+    // widened as they are loaded).
+    int64_t next = j + 1 < pages ? tables[row * s.m + j + 1] : -1;
+    if (next >= s.blocks) next = -1;
+    const int64_t ahead = next < 0 ? -1 : ((k * s.blocks + next) * p) * e;
     for (int64_t c0 = 0; c0 < count; c0 += kChunk) {
-      attend_chunk<HEAD_DIM>(qs, nq, e, kbuf + c0 * e, vbuf + c0 * e, std::min(kChunk, count - c0),
-                   visible.data(), acc, mx, sum, scores.data());
+      const int64_t at = base + c0 * e, n = std::min(kChunk, count - c0);
+      if (bf16) {
+        const uint16_t *kb = static_cast<const uint16_t*>(kp), *vb = static_cast<const uint16_t*>(vp);
+        attend_chunk<HEAD_DIM>(qs, nq, e, kb + at, vb + at, n, visible.data(), acc, mx, sum,
+                               scores.data(), ahead < 0 ? nullptr : kb + ahead + c0 * e,
+                               vb + std::max<int64_t>(ahead, 0) + c0 * e);
+      } else {
+        const float *kb = static_cast<const float*>(kp), *vb = static_cast<const float*>(vp);
+        attend_chunk<HEAD_DIM>(qs, nq, e, kb + at, vb + at, n, visible.data(), acc, mx, sum,
+                               scores.data(), ahead < 0 ? nullptr : kb + ahead + c0 * e,
+                               vb + std::max<int64_t>(ahead, 0) + c0 * e);
+      }
     }
   }
   // The row's new tokens up to each query's own (causal).
@@ -465,8 +534,8 @@ void attend_block(const PackedShapes& s, const float* q, const float* k_new, con
       std::memcpy(vbuf + c * e, v_new + src, e * sizeof(float));
     }
     for (int64_t i = 0; i < nq; ++i) visible[i] = t0 + i / g - c0 + 1;
-    attend_chunk<HEAD_DIM>(qs, nq, e, kbuf, vbuf, count, visible.data(), acc, mx, sum,
-                           scores.data());
+    attend_chunk<HEAD_DIM, float>(qs, nq, e, kbuf, vbuf, count, visible.data(), acc, mx, sum,
+                                  scores.data());
   }
   for (int64_t i = 0; i < nq; ++i) {
     float* o = out + ((first + t0 + i / g) * s.h + k * g + i % g) * e;
