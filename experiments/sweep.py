@@ -176,6 +176,9 @@ def run_point(
             "num_steps": int(steps),
             "mean_step_ms": 1000 * step_time / steps,
             "host_overhead_fraction": _delta(after, before, "host_time_s") / step_time,
+            # Native CPU kernels' share of the step (0 on XLA's dots and attention); the steps'
+            # device time less this is XLA's own work between the kernels.
+            "kernel_time_fraction": _delta(after, before, "kernel_time_s") / step_time,
             "new_compilations": int(_delta(after, before, "num_compilations")),
             "compiled_shapes": int(after.get("num_compilations", 0)),
             "forward_passes_per_step": _delta(after, before, "num_forward_passes") / steps,

@@ -312,6 +312,26 @@ def test_stream_sums_every_word_of_the_buffer():
         gemm.stream(jnp.zeros(6, jnp.uint8))
 
 
+def test_kernel_seconds_counts_each_librarys_kernels_once():
+    """``native.kernel_seconds``: the kernels' wall time summed over the loaded libraries (gemm
+    and attention, each with its own counter). Over calls of ``gemm.stream`` it is most of
+    their wall time and never more: it fails if the calls go uncounted, or if the libraries
+    share one counter (read once per library, so counted twice)."""
+    import time
+
+    from research import native
+
+    assert native.available("attention") and native.available("gemm")
+    x = jnp.ones(16 << 20, jnp.uint32)  # 64 MiB
+    stream = jax.jit(gemm.stream)
+    stream(x).block_until_ready()
+    before, t0 = native.kernel_seconds(), time.perf_counter()
+    for _ in range(3):
+        stream(x).block_until_ready()
+    wall, counted = time.perf_counter() - t0, native.kernel_seconds() - before
+    assert 0.5 * wall < counted <= wall, (counted, wall)
+
+
 def test_pack_params_fuses_and_packs_projections_only():
     """q/k/v fuse into wqkv (q, then k, then v) and a dense MLP's gate/up into w_gate_up (per
     16-column panel: gate, then up) where they tile; wo and w_down are packed alone; norms, 3-D
@@ -385,4 +405,7 @@ def test_smollm2_bf16_through_the_kernel_matches_xla():
         ]
         sp = SamplingParams(max_tokens=16, temperature=0.0)
         outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+        if backend == "native":  # the kernels' share of the steps: some, never all of it
+            stats = llm.engine.stats()
+            assert 0.0 < stats["kernel_time_s"] < stats["device_time_s"], stats
     assert outs["native"] == outs["xla"]

@@ -151,6 +151,7 @@ class Engine:
         self.num_steps = 0
         self.step_time = 0.0  # wall seconds inside step()
         self.device_time = 0.0  # of which inside the jitted calls (dispatch to results ready)
+        self.kernel_time = 0.0  # of which inside the native CPU kernels (the rest: XLA's work)
         self.num_forward_passes = 0  # forward passes the executor ran (one per step)
         self._counter = 0
         # Called after each schedule(), before the step runs (the server refreshes its gauges).
@@ -329,6 +330,7 @@ class Engine:
         self.num_steps += 1
         outputs = failed + self._commit(plan, result)
         self.device_time += result.device_time
+        self.kernel_time += getattr(result, "kernel_time", 0.0)
         self.num_forward_passes += getattr(result, "forward_passes", 0)
         self.step_time += time.perf_counter() - t0
         return outputs
@@ -440,4 +442,7 @@ class Engine:
             "step_time_s": self.step_time,
             "device_time_s": self.device_time,
             "host_time_s": self.step_time - self.device_time,
+            # The native CPU kernels' share of device_time (process-wide counters: one engine
+            # stepping at a time); device_time_s - kernel_time_s is XLA's work around them.
+            "kernel_time_s": self.kernel_time,
         } | (self.spec_stats.as_dict(self.num_steps) if self.proposer is not None else {})

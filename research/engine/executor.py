@@ -47,6 +47,7 @@ from research.engine.step import (  # noqa: F401 (re-exported)
     write_kv_jit,
 )
 from research.models.transformer import Params
+from research import native
 from research.native import gemm as native_gemm
 
 # One position's log-probabilities, as the step returns them: (log-probability of the chosen
@@ -62,6 +63,9 @@ class StepResult:
     top2_gaps: dict[str, float]
     duration: float  # wall seconds of execute()
     device_time: float  # of which from dispatching the jitted calls to their results being ready
+    # Of that, seconds inside the native CPU kernels (``research.native.kernel_seconds``; 0 on
+    # the XLA and Pallas paths): the rest of device_time is XLA's own work around them.
+    kernel_time: float = 0.0
     # Rows whose request asked for logprobs: their sample's.
     logprobs: dict[str, RawLogprobs] = field(default_factory=dict)
     # Requests that asked for prompt_logprobs: {position of the prompt token: its entry}.
@@ -268,7 +272,9 @@ class ModelExecutor:
         rows = self.rows(plan)
         calls = self.step_calls
         if rows:
+            kernels = native.kernel_seconds()
             result.device_time = self._run(rows, result)
+            result.kernel_time = native.kernel_seconds() - kernels
         result.forward_passes = self.step_calls - calls  # each call is one forward
         result.duration = time.perf_counter() - t0
         return result

@@ -325,6 +325,21 @@ def built_march(family: str) -> str | None:
     return _state.get(family, {}).get("march")
 
 
+def kernel_seconds() -> float:
+    """Seconds the loaded native libraries' kernels have spent working (wall clock on the calling
+    thread, summed over calls) since they were loaded; 0.0 when none is loaded. The difference
+    over a step, taken from the step's time in its jitted calls, is XLA's own work between the
+    kernels."""
+    total = 0
+    for state in list(_state.values()):
+        lib = state.get("lib")
+        if lib is not None:
+            fn = lib.research_kernel_ns
+            fn.restype = ctypes.c_int64
+            total += fn()
+    return total / 1e9
+
+
 def library(family: str) -> Any:
     """The loaded ``ctypes`` library of ``family`` (after ``available(family)``)."""
     return _state[family]["lib"]

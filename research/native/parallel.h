@@ -168,8 +168,19 @@ class SpinPool {
 // Runs fn(begin, end) over [0, units) in contiguous pieces (`chunks_per_thread` per thread)
 // on this thread and the process pool's helpers; where XLA's pool has no threads (the user
 // asked for one), everything runs here.
+// Nanoseconds this library's kernels have spent in parallel_for (wall clock on the calling
+// thread, the helpers' share included), since it was loaded: the engine takes it from a step's
+// time in its jitted calls to see XLA's own work between the kernels (research_kernel_ns).
+// One counter per library (internal linkage: a function-local static of an inline function
+// would be a unique symbol that the loader shares between libraries).
+namespace {
+std::atomic<int64_t> kernel_ns_total{0};
+}  // namespace
+inline std::atomic<int64_t>& kernel_ns() { return kernel_ns_total; }
+
 template <typename Fn>
-void parallel_for(xla::ffi::ThreadPool& pool, int64_t units, int64_t chunks_per_thread, Fn fn) {
+void parallel_for_untimed(xla::ffi::ThreadPool& pool, int64_t units, int64_t chunks_per_thread,
+                          Fn fn) {
   if (units <= 1 || pool.num_threads() == 0) {
     if (units > 0) fn(int64_t{0}, units);
     return;
@@ -185,4 +196,19 @@ void parallel_for(xla::ffi::ThreadPool& pool, int64_t units, int64_t chunks_per_
            &fn);
 }
 
+template <typename Fn>
+void parallel_for(xla::ffi::ThreadPool& pool, int64_t units, int64_t chunks_per_thread, Fn fn) {
+  const auto start = std::chrono::steady_clock::now();
+  parallel_for_untimed(pool, units, chunks_per_thread, fn);
+  kernel_ns().fetch_add(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count(),
+      std::memory_order_relaxed);
+}
+
 }  // namespace research_native
+
+// The library's kernel time so far (research_native::kernel_ns), for ctypes.
+extern "C" __attribute__((visibility("default"), used)) int64_t research_kernel_ns() {
+  return research_native::kernel_ns().load(std::memory_order_relaxed);
+}

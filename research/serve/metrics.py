@@ -59,6 +59,12 @@ def prometheus_text(
             "dispatch, reading the sampled tokens back).",
             s["host_time_s"],
         ),
+        (
+            "engine_kernel_seconds_total",
+            "Seconds of engine steps inside the native CPU kernels (projections, attention); "
+            "the compiled calls' other time is XLA's own work between them.",
+            s.get("kernel_time_s", 0.0),
+        ),
     ]
     if server_loop_cpu_s is not None:
         counters.append(
