@@ -312,6 +312,37 @@ def test_stream_sums_every_word_of_the_buffer():
         gemm.stream(jnp.zeros(6, jnp.uint8))
 
 
+def test_greedy_kernel_matches_the_xla_sampler():
+    """``gemm.greedy`` (a CPU step's argmax and top-2 gap in one native pass) against
+    ``sampler.greedy``'s XLA reductions, bit for bit: random rows, rows of many ties, all -inf,
+    all equal, the maximum at both ends, vocabularies shorter than a vector and with tails. A row
+    holding a NaN takes its first NaN (as ``np.argmax``) and a NaN gap: XLA:CPU's max drops NaNs
+    in its vector loop and answers 163 for a row whose NaNs sit at 500 and 999."""
+    from research.engine.sampler import greedy
+
+    rng = np.random.default_rng(0)
+    xla, ours = jax.jit(greedy), jax.jit(gemm.greedy)
+    for vocab in (1, 3, 15, 16, 17, 33, 1000, 49152):
+        x = rng.standard_normal((8, vocab)).astype(np.float32)
+        x[1] = np.round(x[1])
+        x[2] = -np.inf
+        x[4] = 5.0
+        x[5, 0] = x[5, -1] = 100.0
+        x[6] = rng.integers(0, 3, vocab)
+        x[7, rng.integers(vocab)] = 7.0  # one clear maximum anywhere
+        if vocab > 2:
+            x[3, vocab // 2] = x[3, -1] = np.nan
+        nan = np.isnan(x).any(axis=1)
+        want_ids, want_gap = (np.asarray(a) for a in xla(jnp.asarray(x)))
+        ids, gap = (np.asarray(a) for a in ours(jnp.asarray(x)))
+        np.testing.assert_array_equal(ids[~nan], want_ids[~nan], err_msg=f"vocab {vocab}")
+        np.testing.assert_array_equal(gap[~nan], want_gap[~nan], err_msg=f"vocab {vocab}")
+        np.testing.assert_array_equal(ids[nan], np.argmax(x[nan], axis=1))
+        assert np.isnan(gap[nan]).all()
+    with pytest.raises(ValueError, match="float32 logits"):
+        gemm.greedy(jnp.zeros((2, 8), jnp.bfloat16))
+
+
 def test_kernel_seconds_counts_each_librarys_kernels_once():
     """``native.kernel_seconds``: the kernels' wall time summed over the loaded libraries (gemm
     and attention, each with its own counter). Over calls of ``gemm.stream`` it is most of

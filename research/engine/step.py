@@ -121,7 +121,9 @@ def model_step(
     r, s = inputs.logits_indices.shape
     logits = compute_logits(params, cfg, hidden[0, inputs.logits_indices.reshape(-1)])
     logits = logits.reshape(r, s, -1)  # [R, S, V]
-    greedy_tokens, gaps = greedy(logits.reshape(r * s, -1))
+    # On CPU with the native kernels (one device), the argmax and gap in one native pass.
+    native = backend == "native" and plan is None
+    greedy_tokens, gaps = greedy(logits.reshape(r * s, -1), native=native)
     gaps = gaps.reshape(r, s)
     first = logits[:, 0]
     sampled = sample(first, inputs.sampling, greedy_tokens.reshape(r, s)[:, 0])

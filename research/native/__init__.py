@@ -66,6 +66,7 @@ FAMILIES: dict[str, tuple[list[Path], dict[str, str]]] = {
             "research_gemm_f32": "GemmF32",
             "research_gemm_blocks": "GemmBlocks",
             "research_stream": "Stream",
+            "research_greedy": "Greedy",
         },
     ),
 }
@@ -74,6 +75,7 @@ _GEMM_TARGET = "research_gemm_bf16"
 _GEMM_F32_TARGET = "research_gemm_f32"
 _GEMM_BLOCKS_TARGET = "research_gemm_blocks"
 _STREAM_TARGET = "research_stream"
+_GREEDY_TARGET = "research_greedy"
 _PACKED_TARGET = "research_packed_attention"
 BUILD_TIMEOUT_S = 600.0
 _lock = threading.Lock()

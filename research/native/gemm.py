@@ -453,6 +453,19 @@ def block_matmul(x: jax.Array, w: BlockWeight, out_dtype: Any = jnp.float32) -> 
     return y.reshape(*lead, w.out_features)
 
 
+def greedy(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's argmax and top-2 logit gap, as ``research.engine.sampler.greedy`` (the same
+    values: lowest index among ties, a row's first NaN, gap 0 for a repeated maximum), in one
+    native pass per row. logits [R, V] float32 -> ([R] int32, [R] float32)."""
+    if not native.available("gemm"):
+        raise RuntimeError(f"native gemm unavailable: {native.build_error('gemm')}")
+    if logits.ndim != 2 or logits.dtype != jnp.float32:
+        raise ValueError(f"greedy takes float32 logits [R, V], got {logits.dtype}{logits.shape}")
+    r = logits.shape[0]
+    out = (jax.ShapeDtypeStruct((r,), jnp.int32), jax.ShapeDtypeStruct((r,), jnp.float32))
+    return tuple(jax.ffi.ffi_call(native._GREEDY_TARGET, out)(logits))
+
+
 def stream(x: jax.Array, start: Any = 0) -> jax.Array:
     """``start`` plus the wrapping uint32 sum of ``x``'s bytes read as 32-bit words, streamed
     on the native kernels' threads: a plain read of the buffer, the yardstick ``bench_gemm
