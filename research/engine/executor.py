@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from research import native
 from research.config import CacheConfig, ModelConfig, SchedulerConfig
 from research.engine.attention import choose_attention_backend
 from research.engine.compile_manager import (  # noqa: F401 (re-exported)
@@ -47,7 +48,6 @@ from research.engine.step import (  # noqa: F401 (re-exported)
     write_kv_jit,
 )
 from research.models.transformer import Params
-from research import native
 from research.native import gemm as native_gemm
 
 # One position's log-probabilities, as the step returns them: (log-probability of the chosen
