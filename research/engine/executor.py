@@ -63,9 +63,6 @@ class StepResult:
     top2_gaps: dict[str, float]
     duration: float  # wall seconds of execute()
     device_time: float  # of which from dispatching the jitted calls to their results being ready
-    # Of that, seconds inside the native CPU kernels (``research.native.kernel_seconds``; 0 on
-    # the XLA and Pallas paths): the rest of device_time is XLA's own work around them.
-    kernel_time: float = 0.0
     # Rows whose request asked for logprobs: their sample's.
     logprobs: dict[str, RawLogprobs] = field(default_factory=dict)
     # Requests that asked for prompt_logprobs: {position of the prompt token: its entry}.
@@ -75,6 +72,9 @@ class StepResult:
     accepted: dict[str, list[int]] = field(default_factory=dict)
     accepted_top2_gaps: dict[str, list[float]] = field(default_factory=dict)
     forward_passes: int = 0  # forward passes the step ran (1 whenever it had tokens)
+    # Of device_time, seconds inside the native CPU kernels (``research.native.kernel_seconds``;
+    # 0 on the XLA and Pallas paths): the rest of device_time is XLA's own work around them.
+    kernel_time: float = 0.0
 
 
 def decode_logprobs(raw: RawLogprobs, token: int, n: int, decode: Any) -> dict[int, Logprob]:

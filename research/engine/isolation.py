@@ -68,7 +68,7 @@ def isolate_failure(
     prompt_logprobs: dict[str, Any] = {}
     accepted: dict[str, list[int]] = {}
     accepted_gaps: dict[str, list[float]] = {}
-    duration = device_time = 0.0
+    duration = device_time = kernel_time = 0.0
     clean: list[ScheduledSeq] = []
     parts = [suspects] if suspects else []
     while parts:
@@ -91,12 +91,21 @@ def isolate_failure(
         accepted_gaps.update(result.accepted_top2_gaps)
         duration += result.duration
         device_time += result.device_time
+        kernel_time += result.kernel_time
     committed = _sub_plan(plan, clean)
     committed.preempted, committed.block_copies = plan.preempted, plan.block_copies
     return (
         committed,
         StepResult(
-            tokens, gaps, duration, device_time, logprobs, prompt_logprobs, accepted, accepted_gaps
+            tokens,
+            gaps,
+            duration,
+            device_time,
+            logprobs,
+            prompt_logprobs,
+            accepted,
+            accepted_gaps,
+            kernel_time=kernel_time,
         ),
         culprits,
     )
