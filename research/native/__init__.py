@@ -288,6 +288,7 @@ def _load(family: str = "attention") -> bool:
                 )
             path, event = _build(family, arch)
             lib = ctypes.cdll.LoadLibrary(str(path))
+            lib.research_kernel_ns.restype = ctypes.c_int64  # parallel.h's counter
             for target, symbol in FAMILIES[family][1].items():
                 jax.ffi.register_ffi_target(
                     target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
@@ -332,14 +333,8 @@ def kernel_seconds() -> float:
     thread, summed over calls) since they were loaded; 0.0 when none is loaded. The difference
     over a step, taken from the step's time in its jitted calls, is XLA's own work between the
     kernels."""
-    total = 0
-    for state in list(_state.values()):
-        lib = state.get("lib")
-        if lib is not None:
-            fn = lib.research_kernel_ns
-            fn.restype = ctypes.c_int64
-            total += fn()
-    return total / 1e9
+    libs = [state["lib"] for state in list(_state.values()) if "lib" in state]
+    return sum(lib.research_kernel_ns() for lib in libs) / 1e9
 
 
 def library(family: str) -> Any:

@@ -289,6 +289,12 @@ def awq_layer(lp: dict) -> dict:
     return out
 
 
+def _require_native() -> None:
+    """Builds and registers the native gemm library on first use; raises where it cannot."""
+    if not native.available("gemm"):
+        raise RuntimeError(f"native gemm unavailable: {native.build_error('gemm')}")
+
+
 def matmul(
     x: jax.Array, w: PackedWeight, out_dtype: Any = jnp.float32, kernel: str | None = None
 ) -> jax.Array:
@@ -296,8 +302,7 @@ def matmul(
     float32) through the native kernels, x cast to W's dtype; a gate/up pair gives
     silu(gate) * up [..., N / 2]. ``kernel`` (bfloat16): "auto", "vector" or "amx"; None reads
     ``$RESEARCH_GEMM_KERNEL`` when the call is traced."""
-    if not native.available("gemm"):  # builds and registers the library on first use
-        raise RuntimeError(f"native gemm unavailable: {native.build_error('gemm')}")
+    _require_native()
     k = w.shape[0]
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features; the packed weight takes {k}")
@@ -432,8 +437,7 @@ def unpack_blocks(w: BlockWeight) -> np.ndarray:
 def block_matmul(x: jax.Array, w: BlockWeight, out_dtype: Any = jnp.float32) -> jax.Array:
     """x [..., K] (float32 or bfloat16; others cast to float32) @ W [K, N] -> [..., N] in
     ``out_dtype``, the GGUF blocks read as stored; a gate/up pair gives silu(gate) * up."""
-    if not native.available("gemm"):
-        raise RuntimeError(f"native gemm unavailable: {native.build_error('gemm')}")
+    _require_native()
     k = w.shape[0]
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features; the {w.fmt} weight takes {k}")
@@ -457,8 +461,7 @@ def greedy(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Each row's argmax and top-2 logit gap, as ``research.engine.sampler.greedy`` (the same
     values: lowest index among ties, a row's first NaN, gap 0 for a repeated maximum), in one
     native pass per row. logits [R, V] float32 -> ([R] int32, [R] float32)."""
-    if not native.available("gemm"):
-        raise RuntimeError(f"native gemm unavailable: {native.build_error('gemm')}")
+    _require_native()
     if logits.ndim != 2 or logits.dtype != jnp.float32:
         raise ValueError(f"greedy takes float32 logits [R, V], got {logits.dtype}{logits.shape}")
     r = logits.shape[0]
@@ -471,8 +474,7 @@ def stream(x: jax.Array, start: Any = 0) -> jax.Array:
     on the native kernels' threads: a plain read of the buffer, the yardstick ``bench_gemm
     --chain`` holds a step's projections against (``gemm.cc``). Calls chained through
     ``start`` run one after another."""
-    if not native.available("gemm"):
-        raise RuntimeError(f"native gemm unavailable: {native.build_error('gemm')}")
+    _require_native()
     if x.nbytes % 4:
         raise ValueError(f"stream reads 32-bit words; x has {x.nbytes} bytes")
     out = jax.ShapeDtypeStruct((), jnp.uint32)

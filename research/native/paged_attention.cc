@@ -348,12 +348,9 @@ inline void score_queries(const float* q, int64_t e, const v16* kt, v16* out) {
   for (int j = 0; j < Q; ++j) out[j] = lo[j] + hi[j];
 }
 
-// acc[j] += sum over keys c < count of p[j][c] * v[c] for Q queries (accumulators [Q, E] in
-// registers across the keys, each V vector loaded once for all of them).
-// Prefetches row c of the next page's keys and values (from k_ahead and v_ahead; null:
-// none), one row per key of this chunk, so the loads spread over the
-// chunk's work instead of stalling in a burst (64 back to back took a tenth of a decode step's
-// attention on a Xeon).
+// Prefetches row c of the next page's keys and values (from k_ahead and v_ahead; null: none),
+// one row per key of this chunk, so the loads spread over the chunk's work instead of stalling
+// in a burst (64 back to back took a tenth of a decode step's attention on a Xeon).
 template <typename T>
 inline void prefetch_row(const T* k_ahead, const T* v_ahead, int64_t e, int64_t c) {
   if (k_ahead == nullptr) return;
@@ -365,6 +362,8 @@ inline void prefetch_row(const T* k_ahead, const T* v_ahead, int64_t e, int64_t 
   }
 }
 
+// acc[j] += sum over keys c < count of p[j][c] * v[c] for Q queries (accumulators [Q, E] in
+// registers across the keys, each V vector loaded once for all of them).
 template <int HEAD_DIM, int Q, typename T>
 inline void weigh_values(const float* p, const T* vbuf, int64_t count, float* acc,
                          const T* k_ahead, const T* v_ahead) {
@@ -509,20 +508,19 @@ void attend_block(const PackedShapes& s, const float* q, const float* k_new, con
     // widened as they are loaded).
     int64_t next = j + 1 < pages ? tables[row * s.m + j + 1] : -1;
     if (next >= s.blocks) next = -1;
-    const int64_t ahead = next < 0 ? -1 : ((k * s.blocks + next) * p) * e;
-    for (int64_t c0 = 0; c0 < count; c0 += kChunk) {
-      const int64_t at = base + c0 * e, n = std::min(kChunk, count - c0);
-      if (bf16) {
-        const uint16_t *kb = static_cast<const uint16_t*>(kp), *vb = static_cast<const uint16_t*>(vp);
+    auto pages_of = [&](const auto* kb, const auto* vb) {
+      const int64_t ahead = ((k * s.blocks + std::max<int64_t>(next, 0)) * p) * e;
+      for (int64_t c0 = 0; c0 < count; c0 += kChunk) {
+        const int64_t at = base + c0 * e, n = std::min(kChunk, count - c0);
         attend_chunk<HEAD_DIM>(qs, nq, e, kb + at, vb + at, n, visible.data(), acc, mx, sum,
-                               scores.data(), ahead < 0 ? nullptr : kb + ahead + c0 * e,
-                               vb + std::max<int64_t>(ahead, 0) + c0 * e);
-      } else {
-        const float *kb = static_cast<const float*>(kp), *vb = static_cast<const float*>(vp);
-        attend_chunk<HEAD_DIM>(qs, nq, e, kb + at, vb + at, n, visible.data(), acc, mx, sum,
-                               scores.data(), ahead < 0 ? nullptr : kb + ahead + c0 * e,
-                               vb + std::max<int64_t>(ahead, 0) + c0 * e);
+                               scores.data(), next < 0 ? nullptr : kb + ahead + c0 * e,
+                               vb + ahead + c0 * e);
       }
+    };
+    if (bf16) {
+      pages_of(static_cast<const uint16_t*>(kp), static_cast<const uint16_t*>(vp));
+    } else {
+      pages_of(static_cast<const float*>(kp), static_cast<const float*>(vp));
     }
   }
   // The row's new tokens up to each query's own (causal).

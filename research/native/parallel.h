@@ -165,9 +165,6 @@ class SpinPool {
   std::condition_variable wake_;
 };
 
-// Runs fn(begin, end) over [0, units) in contiguous pieces (`chunks_per_thread` per thread)
-// on this thread and the process pool's helpers; where XLA's pool has no threads (the user
-// asked for one), everything runs here.
 // Nanoseconds this library's kernels have spent in parallel_for (wall clock on the calling
 // thread, the helpers' share included), since it was loaded: the engine takes it from a step's
 // time in its jitted calls to see XLA's own work between the kernels (research_kernel_ns).
@@ -178,28 +175,21 @@ std::atomic<int64_t> kernel_ns_total{0};
 }  // namespace
 inline std::atomic<int64_t>& kernel_ns() { return kernel_ns_total; }
 
-template <typename Fn>
-void parallel_for_untimed(xla::ffi::ThreadPool& pool, int64_t units, int64_t chunks_per_thread,
-                          Fn fn) {
-  if (units <= 1 || pool.num_threads() == 0) {
-    if (units > 0) fn(int64_t{0}, units);
-    return;
-  }
-  SpinPool& spin = SpinPool::instance();
-  if (spin.helpers() == 0) {
-    fn(int64_t{0}, units);
-    return;
-  }
-  const int64_t chunks = std::min<int64_t>(units, chunks_per_thread * (spin.helpers() + 1));
-  spin.run(units, chunks,
-           [](void* ctx, int64_t begin, int64_t end) { (*static_cast<Fn*>(ctx))(begin, end); },
-           &fn);
-}
-
+// Runs fn(begin, end) over [0, units) in contiguous pieces (`chunks_per_thread` per thread)
+// on this thread and the process pool's helpers; where XLA's pool has no threads (the user
+// asked for one), everything runs here. The call's wall time goes to kernel_ns.
 template <typename Fn>
 void parallel_for(xla::ffi::ThreadPool& pool, int64_t units, int64_t chunks_per_thread, Fn fn) {
   const auto start = std::chrono::steady_clock::now();
-  parallel_for_untimed(pool, units, chunks_per_thread, fn);
+  SpinPool* spin = units <= 1 || pool.num_threads() == 0 ? nullptr : &SpinPool::instance();
+  if (spin == nullptr || spin->helpers() == 0) {
+    if (units > 0) fn(int64_t{0}, units);
+  } else {
+    const int64_t chunks = std::min<int64_t>(units, chunks_per_thread * (spin->helpers() + 1));
+    spin->run(units, chunks,
+              [](void* ctx, int64_t begin, int64_t end) { (*static_cast<Fn*>(ctx))(begin, end); },
+              &fn);
+  }
   kernel_ns().fetch_add(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
           .count(),
