@@ -8,7 +8,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-slow test-all lint format clean
+.PHONY: run test test-slow test-all test-arm lint format clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ test-slow: $(STAMP)
 
 test-all: lint
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q
+
+# The native kernels' tests on an emulated aarch64 CPU (qemu-user), built for NEON and for
+# SVE2: needs qemu-user and g++-aarch64-linux-gnu (tests/emulated_arm.sh says how). Not in CI.
+test-arm: $(STAMP)
+	PY=$(PY) sh tests/emulated_arm.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

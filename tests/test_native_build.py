@@ -83,6 +83,36 @@ def test_the_cache_key_covers_compiler_and_cpu(tmp_path, monkeypatch):
     assert native.library_path("gemm") != base and base.parent == tmp_path
 
 
+def test_aarch64_features_come_from_the_kernels_hwcaps():
+    """On aarch64 the instruction-set check reads AT_HWCAP / AT_HWCAP2 (bit i of each is the
+    i-th name Linux gives it), not /proc/cpuinfo, which an emulator leaves as the host's."""
+    import struct
+
+    from research import native
+
+    hwcap = 1 << 1 | 1 << 20 | 1 << 22  # asimd, asimddp, sve
+    hwcap2 = 1 << 1 | 1 << 13 | 1 << 14  # sve2, i8mm, bf16
+    auxv = struct.pack("=8Q", 6, 4096, 16, hwcap, 26, hwcap2, 0, 0)
+    assert native.hwcap_names(auxv) == {"asimd", "asimddp", "sve", "sve2", "i8mm", "bf16"}
+    assert native.hwcap_names(struct.pack("=4Q", 16, 1 << 1, 0, 0)) == {"asimd"}
+    assert native.hwcap_names(struct.pack("=4Q", 6, 4096, 0, 0)) is None  # no AT_HWCAP
+
+
+def test_an_arm_cpus_features_are_in_the_cache_key(tmp_path, monkeypatch):
+    """Two ARM CPUs that differ only in their features (one with SVE) never share a library:
+    their signatures differ (x86's came from ``flags``; ARM has ``Features`` instead)."""
+    from research import native
+
+    monkeypatch.setattr(native, "_arm_hwcaps", lambda: None)
+    monkeypatch.setattr(native.platform, "machine", lambda: "aarch64")
+    paths = []
+    for features in ("fp asimd asimddp", "fp asimd asimddp sve sve2"):
+        text = f"processor\t: 0\nFeatures\t: {features}\nCPU part\t: 0xd85\n"
+        monkeypatch.setattr(native.Path, "read_text", lambda self, text=text: text)
+        paths.append(native._cpu_signature())
+    assert paths[0] != paths[1] and "sve2" in paths[1]
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="the wheel test builds a Linux venv")
 def test_a_wheel_install_builds_and_runs_the_native_attention(tmp_path):
     """pip wheel -> a fresh virtual environment (not editable, dependencies borrowed from this

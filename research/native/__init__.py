@@ -39,6 +39,7 @@ import logging
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -83,13 +84,19 @@ _state: dict[str, dict[str, Any]] = {}
 
 
 def _cpu_signature() -> str:
-    """The CPU's architecture, model and feature flags (what ``-march=native`` compiles for)."""
+    """The CPU's architecture, model and feature flags (what ``-march=native`` compiles for):
+    x86's ``model name`` and ``flags``, ARM's implementer, part and ``Features``, and on
+    aarch64 the kernel's HWCAP feature names."""
+    keys = ("model name", "flags", "Features", "CPU implementer", "CPU part", "CPU architecture")
     try:
         text = Path("/proc/cpuinfo").read_text()
-        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
-        return "\n".join([platform.machine(), *sorted(set(lines))])
+        lines = [ln for ln in text.splitlines() if ln.startswith(keys)]
     except OSError:
-        return f"{platform.machine()} {platform.processor()}"
+        lines = [platform.processor()]
+    hwcaps = _arm_hwcaps()
+    if hwcaps is not None:
+        lines.append("hwcaps: " + " ".join(sorted(hwcaps)))
+    return "\n".join([platform.machine(), *sorted(set(lines))])
 
 
 def cache_dir() -> Path:
@@ -113,7 +120,8 @@ _ISA_MACROS = {
     "__BMI2__": "bmi2", "__AVX512F__": "avx512f", "__AVX512BW__": "avx512bw",
     "__AVX512DQ__": "avx512dq", "__AVX512VL__": "avx512vl", "__AVX512BF16__": "avx512_bf16",
     "__AVX512VNNI__": "avx512_vnni", "__AVX512FP16__": "avx512_fp16", "__AVXVNNI__": "avx_vnni",
-    "__ARM_FEATURE_SVE": "sve", "__ARM_FEATURE_DOTPROD": "asimddp",
+    "__ARM_NEON": "asimd", "__ARM_FEATURE_FP16_VECTOR_ARITHMETIC": "asimdhp",
+    "__ARM_FEATURE_SVE": "sve", "__ARM_FEATURE_SVE2": "sve2", "__ARM_FEATURE_DOTPROD": "asimddp",
     "__ARM_FEATURE_BF16_VECTOR_ARITHMETIC": "bf16", "__ARM_FEATURE_MATMUL_INT8": "i8mm",
 }  # fmt: skip
 
@@ -140,9 +148,55 @@ def _flags(compiler: str, arch: str | None = None) -> list[str]:
     return flags
 
 
+# Linux arm64's AT_HWCAP and AT_HWCAP2 bits, in order (arch/arm64/include/uapi/asm/hwcap.h),
+# named as /proc/cpuinfo's Features line names them.
+_ARM_HWCAP = (
+    "fp", "asimd", "evtstrm", "aes", "pmull", "sha1", "sha2", "crc32", "atomics", "fphp",
+    "asimdhp", "cpuid", "asimdrdm", "jscvt", "fcma", "lrcpc", "dcpop", "sha3", "sm3", "sm4",
+    "asimddp", "sha512", "sve", "asimdfhm", "dit", "uscat", "ilrcpc", "flagm", "ssbs", "sb",
+    "paca", "pacg",
+)  # fmt: skip
+_ARM_HWCAP2 = (
+    "dcpodp", "sve2", "sveaes", "svepmull", "svebitperm", "svesha3", "svesm4", "flagm2", "frint",
+    "svei8mm", "svef32mm", "svef64mm", "svebf16", "i8mm", "bf16", "dgh", "rng", "bti", "mte",
+    "ecv", "afp", "rpres", "mte3", "sme",
+)  # fmt: skip
+_AT_HWCAP, _AT_HWCAP2 = 16, 26
+
+
+def hwcap_names(auxv: bytes) -> set[str] | None:
+    """The aarch64 feature names set in an auxiliary vector's ``AT_HWCAP`` / ``AT_HWCAP2``
+    (``auxv``: native-endian 64-bit key, value pairs, as /proc/self/auxv holds them); None
+    where it has no ``AT_HWCAP``."""
+    words = struct.unpack(f"={len(auxv) // 8}Q", auxv[: len(auxv) // 8 * 8])
+    aux = dict(zip(words[0::2], words[1::2], strict=False))
+    if _AT_HWCAP not in aux:
+        return None
+    names: set[str] = set()
+    for key, table in ((_AT_HWCAP, _ARM_HWCAP), (_AT_HWCAP2, _ARM_HWCAP2)):
+        bits = aux.get(key, 0)
+        names |= {name for i, name in enumerate(table) if bits >> i & 1}
+    return names
+
+
+def _arm_hwcaps() -> set[str] | None:
+    """On aarch64 Linux, the features the kernel says this CPU runs (``hwcap_names`` of
+    /proc/self/auxv; /proc/cpuinfo's Features line is printed from the same bits); None
+    elsewhere. Unlike /proc/cpuinfo, an emulator (qemu-user) reports its own CPU here."""
+    if platform.machine() not in ("aarch64", "arm64"):
+        return None
+    try:
+        return hwcap_names(Path("/proc/self/auxv").read_bytes())
+    except OSError:
+        return None
+
+
 def _cpu_flags() -> set[str] | None:
-    """This CPU's feature flags from /proc/cpuinfo (x86 ``flags``, ARM ``Features``); None
-    where there is no such file."""
+    """This CPU's feature flags: on aarch64 Linux the kernel's HWCAPs (``_arm_hwcaps``), else
+    /proc/cpuinfo's (x86 ``flags``, ARM ``Features``); None where neither is known."""
+    hwcaps = _arm_hwcaps()
+    if hwcaps is not None:
+        return hwcaps
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
