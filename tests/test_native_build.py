@@ -105,12 +105,12 @@ def test_an_arm_cpus_features_are_in_the_cache_key(tmp_path, monkeypatch):
 
     monkeypatch.setattr(native, "_arm_hwcaps", lambda: None)
     monkeypatch.setattr(native.platform, "machine", lambda: "aarch64")
-    paths = []
+    signatures = []
     for features in ("fp asimd asimddp", "fp asimd asimddp sve sve2"):
         text = f"processor\t: 0\nFeatures\t: {features}\nCPU part\t: 0xd85\n"
         monkeypatch.setattr(native.Path, "read_text", lambda self, text=text: text)
-        paths.append(native._cpu_signature())
-    assert paths[0] != paths[1] and "sve2" in paths[1]
+        signatures.append(native._cpu_signature())
+    assert signatures[0] != signatures[1] and "sve2" in signatures[1]
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the wheel test builds a Linux venv")
