@@ -98,6 +98,18 @@ def test_aarch64_features_come_from_the_kernels_hwcaps():
     assert native.hwcap_names(struct.pack("=4Q", 6, 4096, 0, 0)) is None  # no AT_HWCAP
 
 
+def test_the_instruction_set_check_prefers_hwcaps_to_cpuinfo(monkeypatch):
+    """Where the kernel's HWCAPs are known (aarch64 Linux), they are the CPU's flags, whatever
+    /proc/cpuinfo says (under qemu-user it is the x86 host's)."""
+    from research import native
+
+    monkeypatch.setattr(native, "_arm_hwcaps", lambda: {"asimd", "asimddp"})
+    monkeypatch.setattr(native.Path, "read_text", lambda self: "flags\t: sse2 avx2 avx512f\n")
+    assert native._cpu_flags() == {"asimd", "asimddp"}
+    monkeypatch.setattr(native, "_arm_hwcaps", lambda: None)
+    assert native._cpu_flags() == {"sse2", "avx2", "avx512f"}
+
+
 def test_an_arm_cpus_features_are_in_the_cache_key(tmp_path, monkeypatch):
     """Two ARM CPUs that differ only in their features (one with SVE) never share a library:
     their signatures differ (x86's came from ``flags``; ARM has ``Features`` instead)."""
