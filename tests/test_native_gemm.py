@@ -55,8 +55,15 @@ def vector_reference(x, w):
 def test_pack_round_trips_and_rejects_shapes_that_do_not_tile(transposed):
     w = jnp.asarray(np.random.default_rng(0).standard_normal((96, 64)), jnp.bfloat16)
     packed = gemm.pack(w.T if transposed else w, transposed=transposed)
-    assert packed.shape == (96, 64) and packed.packed.shape == (2, 3, 2, 16, 32)
+    assert packed.shape == (96, 64) and packed.packed.shape == (2, 3, 16, 2, 32)
     np.testing.assert_array_equal(np.asarray(gemm.unpack(packed)), np.asarray(w))
+    # The layout the kernels read: packed[g, kb, r, t, 2c + j] = W[32 kb + 2 r + j, 32 g + 16 t + c]
+    # (a k pair's 32 columns consecutive: the vector kernel reads a panel front to back).
+    p, wn = np.asarray(packed.packed), np.asarray(w)
+    g, kb, r, t, c, j = np.meshgrid(*map(np.arange, (2, 3, 16, 2, 16, 2)), indexing="ij")
+    np.testing.assert_array_equal(
+        p[g, kb, r, t, 2 * c + j], wn[32 * kb + 2 * r + j, 32 * g + 16 * t + c]
+    )
     with pytest.raises(ValueError, match=r"\[96, 48\] weight does not tile"):
         gemm.pack(w[:, :48])
 

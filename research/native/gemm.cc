@@ -14,9 +14,12 @@
 // them side by side). This kernel feeds the tile units directly:
 //
 //   x [M, K]             bfloat16, row-major (read in place: an A tile is 16 rows x 32 k)
-//   w [N/32, K/32, 2, 16, 32] bfloat16, the weight W [K, N] packed once at load time into
-//                        AMX's B-tile layout, each 32-column panel one contiguous stream:
-//                        w[g, kb, t, r, 2c + j] = W[32 kb + 2 r + j, 32 g + 16 t + c]
+//   w [N/32, K/32, 16, 2, 32] bfloat16, the weight W [K, N] packed once at load time, each
+//                        32-column panel one contiguous stream:
+//                        w[g, kb, r, t, 2c + j] = W[32 kb + 2 r + j, 32 g + 16 t + c];
+//                        AMX's B tile for half t of k block kb is its 16 rows r, 64 bytes
+//                        each at a 128-byte stride (a k pair's 32 columns are consecutive, so
+//                        the vector kernel reads each panel front to back)
 //   -> y [M, N] float32 or bfloat16 (products accumulated in float32 by the tile unit); with
 //      the swiglu epilogue, y [M, N / 2] = silu(gate) * up for a gate/up weight packed with
 //      each 32-column panel holding 16 gate columns and then the same 16 up columns
@@ -157,8 +160,8 @@ void block(const uint16_t* a, int64_t lda_bytes, const uint16_t* b, int64_t kbs,
   for (int64_t kb = 0; kb < kbs; ++kb) {
     if (stream) prefetch(b + (kb + kPrefetchAhead) * 1024);
     _tile_loadd(4, a + kb * 32, lda_bytes);
-    _tile_loadd(6, b + kb * 1024, 64);
-    _tile_loadd(7, b + kb * 1024 + 512, 64);
+    _tile_loadd(6, b + kb * 1024, 128);
+    _tile_loadd(7, b + kb * 1024 + 32, 128);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if constexpr (kPair) {
@@ -219,7 +222,7 @@ void gemm(ffi::ThreadPool&, int64_t, int64_t, int64_t, const uint16_t*, const ui
 // ---- The vector kernel: any CPU, whatever vector width the compiler targets ----------------
 //
 // Decode multiplies a few rows by every weight once, so a step is as fast as the weights
-// stream: each 32-column panel (a contiguous stream; bfloat16 in AMX's layout) is read once per
+// stream: each 32-column panel (a contiguous stream, read front to back) is read once per
 // unit of up to kVecUnitRows rows, in steps of kStepBlocks k blocks that every block of
 // kVecRows rows takes from cache in turn, each output column one float32 lane. A unit's rows are widened to float32 once. A bfloat16 pair (two k) is one
 // 32-bit lane: the even k is its low half (<< 16), the odd k its high half (& 0xFFFF0000),
@@ -253,7 +256,7 @@ typedef uint32_t vuu __attribute__((vector_size(kLanes * 4), aligned(4)));
 
 // The even-k and odd-k weights of kLanes columns from `col` at k pair (kb, r).
 inline void load_pair(const uint16_t* panel, int64_t kb, int r, int col, vf& e, vf& o) {
-  const uint16_t* p = panel + kb * 1024 + (col / 16) * 512 + r * 32 + (col % 16) * 2;
+  const uint16_t* p = panel + kb * 1024 + r * 64 + (col / 16) * 32 + (col % 16) * 2;
   const vu w = *reinterpret_cast<const vuu*>(p);
   e = reinterpret_cast<vf>(w << 16);
   o = reinterpret_cast<vf>(w & 0xFFFF0000u);
@@ -275,9 +278,9 @@ inline void load_pair(const float* panel, int64_t kb, int r, int col, vf& e, vf&
 constexpr int64_t kPrefetchBytes = 12288;
 
 inline void prefetch_pair(const uint16_t* panel, int64_t kb, int r) {
-  const char* p = reinterpret_cast<const char*>(panel + kb * 1024 + r * 32) + kPrefetchBytes;
+  const char* p = reinterpret_cast<const char*>(panel + kb * 1024 + r * 64) + kPrefetchBytes;
   __builtin_prefetch(p);
-  __builtin_prefetch(p + 1024);
+  __builtin_prefetch(p + 64);
 }
 
 inline void prefetch_pair(const float* panel, int64_t kb, int r) {
@@ -968,7 +971,7 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
   auto wd = w.dimensions();
   auto yd = y->dimensions();
   const bool swiglu = epilogue == 1;
-  if (xd.size() != 2 || wd.size() != 5 || yd.size() != 2 || wd[2] != 2 || wd[3] != 16 ||
+  if (xd.size() != 2 || wd.size() != 5 || yd.size() != 2 || wd[2] != 16 || wd[3] != 2 ||
       wd[4] != 32 || xd[1] != wd[1] * 32 || yd[0] != xd[0] ||
       yd[1] != wd[0] * (swiglu ? 16 : 32) || epilogue < 0 || epilogue > 1) {
     return ffi::Error::InvalidArgument("gemm_bf16: inconsistent shapes");

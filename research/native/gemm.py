@@ -47,9 +47,11 @@ KERNELS = {"auto": 0, "vector": 1, "amx": 2}
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    """A weight W [K, N], each 32-column panel contiguous. bfloat16: [N/32, K/32, 2, 16, 32] in
-    AMX's B-tile layout, packed[g, kb, t, r, 2c + j] = W[32 kb + 2 r + j, 32 g + 16 t + c]
-    (a k pair per 32-bit word); float32: [N/32, K, 32], packed[g, k, c] = W[k, 32 g + c]."""
+    """A weight W [K, N], each 32-column panel contiguous. bfloat16: [N/32, K/32, 16, 2, 32],
+    packed[g, kb, r, t, 2c + j] = W[32 kb + 2 r + j, 32 g + 16 t + c] (a k pair per 32-bit
+    word; a k pair's 32 columns are 128 consecutive bytes, and its two 16-column halves are the
+    rows of AMX's B tiles at a 128-byte stride); float32: [N/32, K, 32], packed[g, k, c] =
+    W[k, 32 g + c]. Either way a panel is read front to back."""
 
     packed: jax.Array
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
@@ -90,11 +92,11 @@ def pack(w: jax.Array, transposed: bool = False) -> PackedWeight:
     if w.dtype == jnp.float32:  # [g, k, c]
         wkn = w.T if transposed else w
         return PackedWeight(wkn.reshape(k, n // 32, 32).transpose(1, 0, 2), (k, n))
-    if transposed:  # [g, t, c, kb, r, j] -> [g, kb, t, r, c, j]
-        packed = w.reshape(n // 32, 2, 16, k // 32, 16, 2).transpose(0, 3, 1, 4, 2, 5)
-    else:  # [kb, r, j, g, t, c] -> [g, kb, t, r, c, j]
-        packed = w.reshape(k // 32, 16, 2, n // 32, 2, 16).transpose(3, 0, 4, 1, 5, 2)
-    return PackedWeight(packed.reshape(n // 32, k // 32, 2, 16, 32), (k, n))
+    if transposed:  # [g, t, c, kb, r, j] -> [g, kb, r, t, c, j]
+        packed = w.reshape(n // 32, 2, 16, k // 32, 16, 2).transpose(0, 3, 4, 1, 2, 5)
+    else:  # [kb, r, j, g, t, c] -> [g, kb, r, t, c, j]
+        packed = w.reshape(k // 32, 16, 2, n // 32, 2, 16).transpose(3, 0, 1, 4, 5, 2)
+    return PackedWeight(packed.reshape(n // 32, k // 32, 16, 2, 32), (k, n))
 
 
 def pack_gate_up(w_gate: jax.Array, w_up: jax.Array) -> PackedWeight:
@@ -119,8 +121,8 @@ def unpack(w: PackedWeight) -> jax.Array:
     k, n = w.shape
     if w.packed.dtype == jnp.float32:
         return w.packed.transpose(1, 0, 2).reshape(k, n)
-    six = w.packed.reshape(n // 32, k // 32, 2, 16, 16, 2)
-    return six.transpose(1, 3, 5, 0, 2, 4).reshape(k, n)
+    six = w.packed.reshape(n // 32, k // 32, 16, 2, 16, 2)  # [g, kb, r, t, c, j]
+    return six.transpose(1, 2, 5, 0, 3, 4).reshape(k, n)
 
 
 def available() -> bool:
