@@ -118,6 +118,55 @@ def test_amx_products_match_a_float64_reference(m):
     np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
 
 
+@pytest.fixture(scope="module")
+def emulated_amx(tmp_path_factory):
+    """``gemm.cc`` built with its AMX instructions emulated (``tests/amx_emulated.cc``), its
+    bfloat16 product registered as an XLA target: the AMX kernel's code on any x86-64 CPU."""
+    import ctypes
+
+    compiler = native._compiler()[0]
+    flags = native._flags(compiler)
+    if "-mamx-tile" not in flags:
+        pytest.skip(f"{compiler} cannot target AMX")
+    lib = tmp_path_factory.mktemp("amx") / "amx_emulated.so"
+    cmd = [compiler, *flags, "-I", jax.ffi.include_dir(), "-o", str(lib)]
+    proc = subprocess.run([*cmd, str(ROOT / "tests" / "amx_emulated.cc")], capture_output=True)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    handle = ctypes.cdll.LoadLibrary(str(lib))
+    target = "research_gemm_bf16_amx_emulated"
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handle.GemmBf16), platform="cpu")
+
+    def run(x, w, out_dtype=jnp.float32):
+        call = jax.ffi.ffi_call(
+            target, jax.ShapeDtypeStruct((x.shape[0], w.out_features), out_dtype)
+        )
+        epilogue = np.int32(1 if w.epilogue == "swiglu" else 0)
+        fn = jax.jit(lambda a, b: call(a, b, epilogue=epilogue, kernel=np.int32(2)))
+        return np.asarray(fn(x, w.packed))
+
+    return run
+
+
+@x86
+@pytest.mark.parametrize("m", [1, 16, 17, 33, 130])
+def test_the_amx_kernel_with_emulated_tiles_reads_the_packed_layout(emulated_amx, m):
+    """The AMX kernel's tiling and the panel layout it loads its B tiles from, on any x86-64 CPU
+    (its tile instructions emulated): products within float32 rounding of a float64 reference,
+    bfloat16 output and the swiglu epilogue as the vector kernel's."""
+    rng = np.random.default_rng(m)
+    k, n = 96, 160
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+    y = emulated_amx(x, gemm.pack(w))
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    fused = gemm.pack_gate_up(w[:, :64], w[:, 64:128])
+    h = emulated_amx(x, fused, jnp.bfloat16)
+    gate, up = ref[:, :64], ref[:, 64:128]
+    swiglu = gate / (1 + np.exp(-gate)) * up
+    np.testing.assert_allclose(np.asarray(h, np.float32), swiglu, rtol=1e-2, atol=1e-2)
+
+
 @built
 @pytest.mark.parametrize("kernel", ["vector", pytest.param("amx", marks=amx)])
 @pytest.mark.parametrize("m", [1, 17, 40])
