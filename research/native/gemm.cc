@@ -55,6 +55,9 @@
 #if defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
 #include <arm_neon.h>
 #endif
+#if defined(__unix__)
+#include <unistd.h>  // sysconf: the L1D size (step_blocks)
+#endif
 
 #include "parallel.h"
 #include "vec_math.h"
@@ -330,8 +333,27 @@ void vec_rows(const T* panel, const float* x, int64_t ldx, int64_t kb0, int64_t 
 // piece used by all the unit's rows while it is in cache (with one full pass per row block,
 // the passes after the first left the memory bus idle). Against that, on 2 cores of an
 // AVX-512 Xeon, alternating processes (``bench_gemm --chain --dtype float32``): 8 rows 0.64 ->
-// 0.67 of a read, 32 rows 0.29 -> 0.34 (medians of 3); steps of 1 block were slower.
+// 0.67 of a read, 32 rows 0.29 -> 0.34 (medians of 3); steps of 1 block were slower. A Zen 4
+// core (32 KB L1D against the Xeon's 48) measured the other way: one whole pass per row block
+// (the later passes reading the panel from L2) against steps of 4, alternating builds in one
+// window (``bench_gemm --chain``, medians of 5): float32 8 rows 29.3 -> 25.5 ms, 32 rows 68.8
+// -> 60.7, 64 rows 133 -> 119; bfloat16 32 rows 50.4 -> 46.7, 64 rows 97.4 -> 92.5. Why is
+// not established (a step's weights, accumulators and rows exceed either L1 at 64 rows), so
+// each CPU keeps what was measured faster on it: steps where the L1D is 48 KB or more, or
+// unknown; whole passes where it is smaller.
 constexpr int64_t kStepBlocks = 4;
+
+inline int64_t step_blocks(int64_t kbs) {
+  static const bool whole = [] {
+#if defined(_SC_LEVEL1_DCACHE_SIZE)
+    const long l1 = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+    return l1 > 0 && l1 < 48 * 1024;
+#else
+    return false;
+#endif
+  }();
+  return whole ? kbs : kStepBlocks;
+}
 
 template <int R, typename T>
 void vec_rows_step(const T* panel, const float* x, int64_t ldx, int64_t kb0, int64_t kb1,
@@ -380,7 +402,7 @@ void vec_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const T* x
         x = widened.data();
       }
       std::fill(acc, acc + rows * 64, 0.0f);
-      const int64_t step = rows <= kVecRows ? kbs : kStepBlocks;  // one row block: one pass
+      const int64_t step = rows <= kVecRows ? kbs : step_blocks(kbs);  // one row block: one pass
       for (int64_t kb0 = 0; kb0 < kbs; kb0 += step) {
         const int64_t kb1 = std::min(kbs, kb0 + step);
         for (int64_t i0 = 0; i0 < rows; i0 += kVecRows) {
