@@ -37,17 +37,25 @@ def product(x, w, kernel="auto", out_dtype=jnp.float32):
     return np.asarray(jax.jit(lambda a, b: gemm.matmul(a, b, out_dtype, kernel=kernel))(x, w))
 
 
-def vector_reference(x, w):
+def vector_reference(x, w, dot=None):
     """The vector kernel's bfloat16 arithmetic, exactly: per output, a float32 sum of the even-k
     products and one of the odd-k products, each in k order (a product of two bf16 values is
-    exact in float32, so each fused multiply-add rounds once, as here), then even + odd."""
+    exact in float32, so each fused multiply-add rounds once, as here), then even + odd; or,
+    where the kernel takes ``vdpbf16ps`` (``dot``, default ``gemm.bf16_dot()``), one sum per
+    output, each k pair adding its odd product and then its even one (no denormals arise
+    here, so the instruction's flush to zero does not show)."""
+    dot = gemm.bf16_dot() if dot is None else dot
     x32 = np.asarray(x, np.float32)
     w32 = np.asarray(jnp.asarray(w, jnp.bfloat16), np.float32)
     even = np.zeros((x32.shape[0], w32.shape[1]), np.float32)
     odd = np.zeros_like(even)
     for k in range(0, x32.shape[1], 2):
-        even = even + np.outer(x32[:, k], w32[k]).astype(np.float32)
-        odd = odd + np.outer(x32[:, k + 1], w32[k + 1]).astype(np.float32)
+        if dot:
+            even = even + np.outer(x32[:, k + 1], w32[k + 1]).astype(np.float32)
+            even = even + np.outer(x32[:, k], w32[k]).astype(np.float32)
+        else:
+            even = even + np.outer(x32[:, k], w32[k]).astype(np.float32)
+            odd = odd + np.outer(x32[:, k + 1], w32[k + 1]).astype(np.float32)
     return even + odd
 
 
@@ -252,9 +260,12 @@ def test_describe_names_the_kernel_and_its_instruction_set(monkeypatch):
     assert gemm.describe(jnp.bfloat16).startswith("vector (")
     assert f"-march={native.march()}" in gemm.describe(jnp.float32)
     assert gemm.describe(jnp.float16).startswith("xla (float16 weights")
+    assert ("vdpbf16ps" in gemm.describe(jnp.bfloat16)) == gemm.bf16_dot()
+    assert "vdpbf16ps" not in gemm.describe(jnp.float32)  # float32 never takes it
     monkeypatch.setenv("RESEARCH_GEMM_KERNEL", "auto")
+    vector = gemm.describe(jnp.float32).replace(" (avx512,", " (avx512, vdpbf16ps,")
     assert gemm.describe(jnp.bfloat16) == (
-        "amx" if gemm.amx_available() else gemm.describe(jnp.float32)
+        "amx" if gemm.amx_available() else vector if gemm.bf16_dot() else gemm.describe(jnp.float32)
     )
 
 
@@ -322,7 +333,7 @@ def test_avx2_and_sse_builds_give_the_same_bits(tmp_path, arch):
             call = jax.jit(lambda *a: native.packed_attention(*a, scale))
             attention.append(np.asarray(call(*inputs)).tolist())
         print(json.dumps([native.built_march("gemm"), native.built_march("attention"),
-                          gemm.describe(), y.tolist(), int8, attention]))
+                          gemm.describe(), y.tolist(), int8, attention, gemm.bf16_dot()]))
         """
     )
     env = {**os.environ, "RESEARCH_NATIVE_MARCH": arch, "RESEARCH_GEMM_KERNEL": "vector",
@@ -331,7 +342,7 @@ def test_avx2_and_sse_builds_give_the_same_bits(tmp_path, arch):
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    built_for, attention_built_for, described, y, int8, attention = json.loads(
+    built_for, attention_built_for, described, y, int8, attention, dot = json.loads(
         proc.stdout.splitlines()[-1]
     )
     assert built_for == attention_built_for == arch
@@ -339,7 +350,7 @@ def test_avx2_and_sse_builds_give_the_same_bits(tmp_path, arch):
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((7, 96)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((96, 64)), jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(y, np.float32), vector_reference(x, w))
+    np.testing.assert_array_equal(np.asarray(y, np.float32), vector_reference(x, w, dot))
     from tests.test_gguf_blocks import blocks, int8_reference
 
     xb = rng.standard_normal((3, 128)).astype(np.float32)

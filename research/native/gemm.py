@@ -8,10 +8,11 @@ weights into ``PackedWeight`` leaves, each 32 output columns one contiguous pane
 ``layers.linear`` and ``layers.matmul`` send a product with one to the native kernels:
 
 - bfloat16: AMX's tile units where the CPU has them and the OS grants the tile state, else the
-  vector kernel, which the compiler builds for whatever this CPU has (AVX2, AVX-512 with
-  AVX512-BF16's ``vdpbf16ps`` where present, ARM NEON/SVE). Both accumulate each output in
-  float32 in the same order (k pair by k pair, the odd product first), so they give the same
-  bits, and a row's result never depends on which other rows share its call;
+  vector kernel, which the compiler builds for whatever this CPU has (AVX2, AVX-512, ARM
+  NEON/SVE): each output a float32 sum of its even-k products and one of its odd-k products,
+  the same bits on every instruction set; on AMD CPUs with AVX512-BF16, ``vdpbf16ps``'s own
+  arithmetic instead (twice the two-FMA rate on Zen 4: ``bf16_dot``). AMX rounds its own way.
+  Whichever runs, a row's result never depends on which other rows share its call;
 - float32: the vector kernel;
 - 4-bit and 8-bit weights as stored (``BlockWeight``): GGUF's Q4_1 and Q8_0 blocks
   (``quantization="gguf"``) and AWQ int4 (``awq_layer``), widened in registers.
@@ -141,6 +142,13 @@ def fused_multiply_add() -> bool:
     return available() and bool(native.library("gemm").ResearchGemmFma())
 
 
+def bf16_dot() -> bool:
+    """Whether the vector kernel's bfloat16 products take AVX512-BF16's ``vdpbf16ps`` here (AMD
+    CPUs with it; its arithmetic, per lane and k pair: acc += x_odd w_odd, then x_even w_even,
+    each a float32 fused multiply-add) rather than the two-FMA even/odd sums."""
+    return available() and bool(native.library("gemm").ResearchGemmBf16Dot())
+
+
 def kernel_name() -> str:
     """$RESEARCH_GEMM_KERNEL: "auto" (AMX where granted, else the vector kernel), "vector" or
     "amx"; a clear error for anything else."""
@@ -158,7 +166,8 @@ def describe(dtype: Any = jnp.bfloat16) -> str:
         return f"xla ({why})"
     isa = native.library("gemm").ResearchGemmVectorIsa
     isa.restype = __import__("ctypes").c_char_p
-    vector = f"vector ({isa().decode()}, -march={native.built_march('gemm')})"
+    dot = ", vdpbf16ps" if jnp.dtype(dtype) == jnp.bfloat16 and bf16_dot() else ""
+    vector = f"vector ({isa().decode()}{dot}, -march={native.built_march('gemm')})"
     if jnp.dtype(dtype) == jnp.bfloat16 and kernel_name() != "vector" and amx_available():
         return "amx"
     return vector
