@@ -255,6 +255,34 @@ def test_resolve_picks_xla_where_the_kernels_cannot_serve(monkeypatch):
 
 
 @built
+@built
+def test_bf16_dot_zero_keeps_the_two_fma_arithmetic():
+    """``RESEARCH_GEMM_BF16_DOT=0`` (an ablation) makes the vector kernel take the two-FMA
+    even/odd sums even where it would take ``vdpbf16ps``: its bits are that reference's."""
+    code = textwrap.dedent(
+        """
+        import json, numpy as np, jax, jax.numpy as jnp
+        from research.native import gemm
+        rng = np.random.default_rng(2)
+        x = jnp.asarray(rng.standard_normal((6, 96)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((96, 64)), jnp.bfloat16)
+        y = np.asarray(jax.jit(lambda a, b: gemm.matmul(a, b, kernel="vector"))(x, gemm.pack(w)))
+        print(json.dumps([gemm.bf16_dot(), gemm.describe(), y.tolist()]))
+        """
+    )
+    env = {**os.environ, "RESEARCH_GEMM_BF16_DOT": "0", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    dot, described, y = json.loads(proc.stdout.splitlines()[-1])
+    assert dot is False and "vdpbf16ps" not in described
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((6, 96)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((96, 64)), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), vector_reference(x, w, dot=False))
+
+
 def test_describe_names_the_kernel_and_its_instruction_set(monkeypatch):
     monkeypatch.setenv("RESEARCH_GEMM_KERNEL", "vector")
     assert gemm.describe(jnp.bfloat16).startswith("vector (")

@@ -44,6 +44,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -378,12 +379,14 @@ void vec_rows_step(const T* panel, const float* x, int64_t ldx, int64_t kb0, int
 #if defined(__x86_64__) && defined(__AVX512BF16__)
 #define RESEARCH_BF16_DOT 1
 bool bf16_dot() {
-  static const bool amd = [] {
+  static const bool use = [] {
+    const char* env = std::getenv("RESEARCH_GEMM_BF16_DOT");  // "0": the two FMAs anyway
+    if (env != nullptr && std::string(env) == "0") return false;
     unsigned a = 0, b = 0, c = 0, d = 0;
     return __get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u && d == 0x69746e65u &&
            c == 0x444d4163u;  // "AuthenticAMD"
   }();
-  return amd;
+  return use;
 }
 
 template <int R>
