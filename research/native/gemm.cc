@@ -391,10 +391,11 @@ void vec_rows_step(const T* panel, const float* x, int64_t ldx, int64_t kb0, int
 // AVX512-BF16's vdpbf16ps, where the build has it and the CPU is AMD's: on a Zen 4 core it
 // multiplied 4 rows by a cached bf16 panel at 117 GMAC/s against 55 for the two-FMA arithmetic
 // above (one core, the same loop otherwise), while on an AVX512-BF16 Xeon it ran at half the
-// speed of the two FMAs; so Intel's CPUs keep them. Its arithmetic is the instruction's own
-// (Intel's definition, which AMD's follows): per lane and k pair, acc += x_odd w_odd, then
-// acc += x_even w_even, each a float32 fused multiply-add (the products are exact), denormal
-// inputs read as zero and results flushed to zero. One sum per output, in the even-k slots of
+// speed of the two FMAs; so Intel's CPUs keep them. Its arithmetic is the instruction's own:
+// per lane and k pair, acc += x_odd w_odd, then acc += x_even w_even, each a float32 fused
+// multiply-add (the products are exact); Intel's definition also reads denormal inputs as
+// zero and flushes results to zero (a Zen 4 matched the order bit for bit in the kernel tests,
+// on normal values; its denormal handling was not tested). One sum per output, in the even-k slots of
 // acc (the odd-k slots stay 0, so the epilogue's even + odd is that sum); rows stay batch-
 // invariant. x: the rows' bfloat16 k pairs as 32-bit words, row i at x + i * ldx.
 #if defined(__x86_64__) && defined(__AVX512BF16__)
