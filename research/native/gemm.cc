@@ -442,6 +442,18 @@ void dot_rows(const uint16_t* panel, const uint32_t* x, int64_t ldx, int64_t kb0
 bool bf16_dot() { return false; }
 #endif
 
+// fn(std::integral_constant<int, R>) for a row block of n rows (1 .. kVecRows): the kernels'
+// row count is a template parameter.
+template <typename Fn>
+void with_rows(int64_t n, Fn&& fn) {
+  switch (n) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    default: fn(std::integral_constant<int, kVecRows>{}); break;
+  }
+}
+
 // y = x @ W through the vector kernel: units of (up to kVecUnitRows rows, one panel), units
 // that share rows consecutive, claimed over the cores. T: uint16_t (bf16 bits) or float, for
 // both x and W.
@@ -491,35 +503,26 @@ void vec_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const T* x
         const int64_t kb1 = std::min(kbs, kb0 + step);
         for (int64_t i0 = 0; i0 < rows; i0 += kVecRows) {
           float* a = acc + i0 * 64;
-          Ahead first;
-          first.stream = i0 == 0;  // the row block that reads the panel from memory
+          Ahead ahead;
+          ahead.stream = i0 == 0;  // the row block that reads the panel from memory
           if (share_next) {  // whole passes: each takes its share of the next panel
-            first.next = reinterpret_cast<const char*>(wp + ((u + 1) % groups) * panel_elems);
-            first.t0 = i0 / kVecRows * 16 * kbs;
-            first.step256 = 64 * static_cast<int64_t>(sizeof(T)) * 256 / row_blocks;
+            ahead.next = reinterpret_cast<const char*>(wp + ((u + 1) % groups) * panel_elems);
+            ahead.t0 = i0 / kVecRows * 16 * kbs;
+            ahead.step256 = 64 * static_cast<int64_t>(sizeof(T)) * 256 / row_blocks;
           }
+          with_rows(std::min<int64_t>(kVecRows, rows - i0), [&](auto r) {
+            constexpr int R = decltype(r)::value;
 #ifdef RESEARCH_BF16_DOT
-          if constexpr (!std::is_same_v<T, float>) {
-            if (dot) {
-              const auto* xr = reinterpret_cast<const uint32_t*>(xp + (m_begin + i0) * k);
-              const int64_t ld = k / 2;
-              switch (std::min<int64_t>(kVecRows, rows - i0)) {
-                case 1: dot_rows<1>(panel, xr, ld, kb0, kb1, a, first); break;
-                case 2: dot_rows<2>(panel, xr, ld, kb0, kb1, a, first); break;
-                case 3: dot_rows<3>(panel, xr, ld, kb0, kb1, a, first); break;
-                default: dot_rows<kVecRows>(panel, xr, ld, kb0, kb1, a, first); break;
+            if constexpr (!std::is_same_v<T, float>) {
+              if (dot) {
+                const auto* xr = reinterpret_cast<const uint32_t*>(xp + (m_begin + i0) * k);
+                dot_rows<R>(panel, xr, k / 2, kb0, kb1, a, ahead);
+                return;
               }
-              continue;
             }
-          }
 #endif
-          const float* xr = x + i0 * k;
-          switch (std::min<int64_t>(kVecRows, rows - i0)) {
-            case 1: vec_rows_step<1>(panel, xr, k, kb0, kb1, a, first); break;
-            case 2: vec_rows_step<2>(panel, xr, k, kb0, kb1, a, first); break;
-            case 3: vec_rows_step<3>(panel, xr, k, kb0, kb1, a, first); break;
-            default: vec_rows_step<kVecRows>(panel, xr, k, kb0, kb1, a, first); break;
-          }
+            vec_rows_step<R>(panel, x + i0 * k, k, kb0, kb1, a, ahead);
+          });
         }
       }
       for (int64_t i = 0; i < rows; ++i) {
