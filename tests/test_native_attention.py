@@ -139,6 +139,69 @@ def test_packed_kernel_matches_reference_over_context_and_new_tokens(dtype, head
     assert np.all(out[real:] == 0)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint16"])
+def test_packed_kernel_that_writes_stores_the_new_kv_as_write_kv_and_in_place(dtype):
+    """``write=True``: the same attention bit for bit, and the pages ``write_kv`` would leave
+    (each row's new tokens at their table's slots, padding dropped, NaN slots elsewhere kept),
+    bit for bit; with the pages donated, the outputs are the inputs' own buffers (no copy of
+    the pool per layer). "uint16": bfloat16 pages stored as their bits, as the engine's pool."""
+    from research.engine.kv_cache import KVPool, write_kv
+
+    page = 16
+    inputs, scale, _, _ = packed_case("float32" if dtype == "float32" else "bfloat16", 64, page)
+    q, k_new, v_new, k_dev, v_dev, tables, starts, firsts, counts = inputs
+    if dtype == "uint16":
+        k_dev, v_dev = (jax.lax.bitcast_convert_type(x, jnp.uint16) for x in (k_dev, v_dev))
+    # bfloat16 pages take the new K/V rounded (write_kv's astype): off-grid float32 values
+    k_new, v_new = k_new * 1.001, v_new * 1.001
+    ref_out = np.asarray(native.packed_attention(q, k_new, v_new, k_dev, v_dev, *inputs[5:], scale))
+    slots = np.full(q.shape[0], -1, np.int64)  # padding: dropped
+    for i, (start, first, count) in enumerate(zip(starts, firsts, counts, strict=True)):
+        for t in range(count):
+            pos = start + t
+            slots[first + t] = tables[i, pos // page] * page + pos % page
+    blocks = k_dev.shape[1]
+    slots = np.where(slots < 0, blocks * page, slots).astype(np.int32)
+    pool = KVPool([k_dev], [v_dev], page_dtype="bfloat16" if dtype == "uint16" else "")
+    want = write_kv(pool, [jnp.asarray(k_new)], [jnp.asarray(v_new)], jnp.asarray(slots))
+    want_k, want_v = np.asarray(want.k[0]), np.asarray(want.v[0])
+    assert not np.array_equal(want_k, np.asarray(k_dev), equal_nan=True)  # the write shows
+
+    call = jax.jit(
+        lambda k, v, *a: native.packed_attention(q, k_new, v_new, k, v, *a, scale, write=True),
+        donate_argnums=(0, 1),
+    )
+    k_in, v_in = jnp.array(k_dev, copy=True), jnp.array(v_dev, copy=True)
+    ptrs = k_in.unsafe_buffer_pointer(), v_in.unsafe_buffer_pointer()
+    out, k_out, v_out = call(k_in, v_in, *inputs[5:])
+    np.testing.assert_array_equal(np.asarray(out), ref_out)
+    assert k_out.dtype == k_dev.dtype
+    np.testing.assert_array_equal(np.asarray(k_out), want_k)
+    np.testing.assert_array_equal(np.asarray(v_out), want_v)
+    assert (k_out.unsafe_buffer_pointer(), v_out.unsafe_buffer_pointer()) == ptrs
+
+
+def test_only_the_native_kernel_over_plain_pages_writes_in_the_step(monkeypatch):
+    """The step stores the new K/V itself only where the native kernel serves plain pages on
+    one device; quantized or paired pools, other backends and the ablation switch keep the
+    separate ``write_kv`` call, and the executor follows the choice."""
+    from research.engine.attention import writes_in_step
+    from research.engine.kv_cache import KVPool
+    from research.llm import LLM
+
+    pages = [jnp.zeros((1, 2, 4, 8))]
+    plain = KVPool(pages, pages)
+    assert writes_in_step("native", plain)
+    assert not writes_in_step("xla", plain)
+    assert not writes_in_step("pallas_interpret", plain)
+    assert not writes_in_step("native", KVPool(pages, pages, kv_dtype="fp8"))
+    assert not writes_in_step("native", KVPool(pages, pages, layer_slots=(0, 0)))
+    llm = LLM("tiny-llama", attention_backend="native", max_model_len=64, num_kv_blocks=8)
+    assert llm.engine.executor.writes_in_step
+    monkeypatch.setenv("RESEARCH_NATIVE_KV_WRITE", "0")
+    assert not writes_in_step("native", plain)
+
+
 def test_auto_resolves_to_native_on_cpu_only_where_it_serves():
     assert resolve_attention_backend("auto", jnp.float32, "auto") == "native"
     assert resolve_attention_backend("auto", jnp.bfloat16, "auto") == "native"

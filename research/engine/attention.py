@@ -10,7 +10,9 @@ position -1) attend to nothing and are written nowhere.
 
 The new tokens' K/V are not in the pool yet: the step collects them and ``write_kv`` scatters
 them into the donated pool after the forward (reading and updating the pool in one XLA
-computation copies it on XLA:CPU). So every backend computes, per query token at position p
+computation copies it on XLA:CPU). The native kernel is the exception (``writes_in_step``): it
+stores them itself, into pages the step is given donated, and XLA sees one in-place update per
+layer. So every backend computes, per query token at position p
 of row r, attention over row r's cached context (positions < context length) and over row r's
 new tokens at positions <= p, within a sliding ``window`` where the layer has one, with
 attention ``sinks`` (gpt-oss) in the softmax denominator.
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -208,12 +211,29 @@ def xla_attention(q, k_new, v_new, pool, slot, tables, meta, scale, window=None,
 # ------------------------------------------------------------------ kernels
 
 
-def native_attention(q, k_new, v_new, pool, slot, tables, meta, scale, window=None, sinks=None):
+def writes_in_step(backend: str, pool: KVPool, plan: Any = None) -> bool:
+    """Whether a step's attention stores the new K/V itself (``PagedKVCache.writes``): the
+    native kernel on one device, over a pool of plain pages (no quantized KV, no paired
+    sliding-window entries). A step of these then needs no second call: a one-sequence bf16
+    decode step of SmolLM2 spent ~1.5 ms of its ~13 (AMD EPYC, two cores) dispatching and
+    running ``write_kv``, most of it in jaxlib's per-array work for 60 pages and 60 new K/V.
+    ``$RESEARCH_NATIVE_KV_WRITE=0`` keeps the separate write (an ablation)."""
+    if os.environ.get("RESEARCH_NATIVE_KV_WRITE", "1") == "0":
+        return False
+    sharded = plan is not None and plan.size > 1
+    return backend == "native" and not sharded and not pool.quantized and not pool.layer_slots
+
+
+def native_attention(
+    q, k_new, v_new, pool, slot, tables, meta, scale, window=None, sinks=None, write=False
+):
     """The native CPU kernel: the whole step's rows in one packed causal pass over their cached
     pages and their own new tokens, decodes included. (Decode-sized steps used to read each
     token's context with the per-token decode kernel and merge the new tokens in by
     log-sum-exp in XLA; with the kernels' own thread pool the one pass took 0.76 of that at
-    one row and 0.57-0.67 at 4-16 rows, 30 layers of SmolLM2's heads at 192-2000 positions.)"""
+    one row and 0.57-0.67 at 4-16 rows, 30 layers of SmolLM2's heads at 192-2000 positions.)
+    ``write``: the kernel also stores the new K/V in the layer's pages (``writes_in_step``);
+    returns (out, k pages, v pages)."""
     if window is not None or sinks is not None:
         raise ValueError(
             "attention_backend 'native': the native kernel has no sliding window or sinks; use "
@@ -233,7 +253,10 @@ def native_attention(q, k_new, v_new, pool, slot, tables, meta, scale, window=No
         jnp.where(count > 0, meta.query_start_loc[:-1], 0),
         count,
         scale,
+        write=write,
     )
+    if write:
+        return out[0].astype(q.dtype), out[1], out[2]
     return out.astype(q.dtype)
 
 
@@ -299,9 +322,13 @@ assert tuple(BACKENDS) == ATTENTION_BACKENDS
 @jax.tree_util.register_dataclass
 @dataclass
 class PagedKVCache:
-    """The pool (read-only here), this step's attention metadata and the new K/V collected per
-    layer ([N, K, E], scattered into the pool by ``write_kv`` after the forward); passed
-    through ``research.models.transformer.forward``, which runs on one row of N packed tokens."""
+    """The pool, this step's attention metadata and the new K/V collected per layer ([N, K, E],
+    scattered into the pool by ``write_kv`` after the forward); passed through
+    ``research.models.transformer.forward``, which runs on one row of N packed tokens.
+
+    ``writes`` (the native backend only, ``writes_in_step``): the attention kernel stores each
+    layer's new K/V in the layer's pages itself, in place where the step donates the pool, and
+    ``pool`` ends the forward updated (nothing is collected, no ``write_kv`` call follows)."""
 
     pool: KVPool
     meta: AttentionMetadata
@@ -309,6 +336,7 @@ class PagedKVCache:
     new_v: list[jax.Array] = field(default_factory=list)
     backend: str = field(default="xla", metadata=dict(static=True))
     plan: Any = field(default=None, metadata=dict(static=True))  # research.parallel.ShardingPlan
+    writes: bool = field(default=False, metadata=dict(static=True))
 
     def update_and_attend(
         self,
@@ -329,6 +357,19 @@ class PagedKVCache:
             raise ValueError(f"attention_backend {self.backend!r}; available: {ATTENTION_BACKENDS}")
         attend = BACKENDS[self.backend]
         tables = self.meta.block_tables
+        if self.writes:
+            if not writes_in_step(self.backend, self.pool, self.plan):
+                raise ValueError(f"attention backend {self.backend!r} does not write the pool")
+            slot = self.pool.slot(layer)
+            out, k_pages, v_pages = native_attention(
+                q[0], k_new[0], v_new[0], self.pool, slot, tables, self.meta, scale,
+                window=window, sinks=sinks, write=True,
+            )  # fmt: skip
+            k, v = list(self.pool.k), list(self.pool.v)
+            k[slot], v[slot] = k_pages, v_pages
+            return out[None], dataclasses.replace(
+                self, pool=dataclasses.replace(self.pool, k=k, v=v)
+            )
         if self.pool.is_sliding(layer):
             tables = self.meta.sliding_block_tables
         if self.plan is not None and self.plan.size > 1:

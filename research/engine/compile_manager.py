@@ -228,10 +228,13 @@ class CompileManager:
 
 def lower_step(step: Any, write: Any, args: tuple[Any, ...], static: dict[str, Any]) -> Any:
     """Ahead-of-time executables of ``step(*args, **static)`` and of the K/V write of its
-    outputs (``write(pool, new_k, new_v, slots[, sliding_slots])``)."""
+    outputs (``write(pool, new_k, new_v, slots[, sliding_slots])``; None where the step writes
+    the pool itself)."""
     spec = functools.partial(jax.tree_util.tree_map, _spec)
     params, pool, inputs = args
     lowered = step.lower(spec(params), spec(pool), inputs, **static)
+    if write is None:
+        return lowered.compile(), None
     out = lowered.out_info
     new_k, new_v = ([_spec(x) for x in out[key]] for key in ("new_k", "new_v"))
     n = inputs.token_ids.shape[0]

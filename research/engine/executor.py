@@ -4,7 +4,8 @@ Every token scheduled in a step (decodes, prefill chunks, speculative verificati
 mix) goes into one call of the jitted ``research.engine.step.model_step``: the persistent
 ``InputBatch`` gathers the step's flat inputs, the ``CompileManager`` picks the step's compiled
 shape (N tokens, R rows, M blocks per row), the step samples (and verifies drafts) on device,
-and a second jitted call scatters the new K/V into the donated pool. ``StepResult`` carries
+and a second jitted call scatters the new K/V into the donated pool (with the native attention
+kernel, the step stores them itself, into the pool it is given donated: one call). ``StepResult`` carries
 ``forward_passes`` (1 per step with tokens) so every results row can show it.
 """
 
@@ -21,7 +22,7 @@ import numpy as np
 
 from research import native
 from research.config import CacheConfig, ModelConfig, SchedulerConfig
-from research.engine.attention import choose_attention_backend
+from research.engine.attention import choose_attention_backend, writes_in_step
 from research.engine.compile_manager import (  # noqa: F401 (re-exported)
     CompileManager,
     Shape,
@@ -44,6 +45,7 @@ from research.engine.step import (  # noqa: F401 (re-exported)
     copy_blocks_jit,
     fill_blocks_jit,
     model_step,
+    model_step_writing,
     to_host,
     write_kv_jit,
 )
@@ -160,6 +162,9 @@ class ModelExecutor:
             cfg, num_blocks, cache.block_size, dtype, kv_fill_value, kv_cache_dtype
         )
         self.plan = plan
+        # The native attention stores the new K/V itself: one call per step, not two.
+        self.writes_in_step = writes_in_step(self.backend, self.pool, plan)
+        self._step = model_step_writing if self.writes_in_step else model_step
         self._write_kv, self._copy_blocks, self._fill_blocks = (
             write_kv_jit,
             copy_blocks_jit,
@@ -246,9 +251,8 @@ class ModelExecutor:
 
     def _lower(self, shape: Shape) -> tuple[Any, Any]:
         inputs = self.batch.padding(shape).inputs
-        return lower_step(
-            model_step, self._write_kv, (self.params, self.pool, inputs), self._static()
-        )
+        write = None if self.writes_in_step else self._write_kv
+        return lower_step(self._step, write, (self.params, self.pool, inputs), self._static())
 
     # ------------------------------------------------------------------ host
 
@@ -292,7 +296,10 @@ class ModelExecutor:
         if compiled is not None:
             out = compiled(self.params, self.pool, step.inputs)
         else:
-            out = model_step(self.params, self.pool, step.inputs, **self._static())
+            out = self._step(self.params, self.pool, step.inputs, **self._static())
+        if self.writes_in_step:
+            self.pool = out["pool"]
+            return step, out, t0
         write = write or self._write_kv
         self.pool = write(
             self.pool, out["new_k"], out["new_v"], step.slot_mapping, step.sliding_slot_mapping

@@ -96,8 +96,7 @@ def _forward(params: Params, cfg: Any, inputs: StepInputs, cache: PagedKVCache, 
     return forward(params, cfg, inputs.token_ids[None], meta.positions[None], cache, backend)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend", "plan"))
-def model_step(
+def _model_step(
     params: Params,
     pool: KVPool,
     inputs: StepInputs,
@@ -105,10 +104,13 @@ def model_step(
     cfg: Any,
     backend: str,
     plan: Any = None,
+    writes: bool = False,
 ) -> dict[str, Any]:
     """One forward over the step's tokens, then sampling (and verification). Returns:
 
-    - ``new_k`` / ``new_v``: per layer [N, K, E] (for ``write_kv``);
+    - ``new_k`` / ``new_v``: per layer [N, K, E] (for ``write_kv``); with ``writes``
+      (``model_step_writing``, ``research.engine.attention.writes_in_step``) ``pool`` instead,
+      the donated pool with the new K/V stored by the attention kernel;
     - ``tokens`` [R, S]: a row's accepted drafts then its sampled token (-1 after); rows that
       do not verify have their sample in column 0; ``num_accepted`` [R];
     - ``gaps`` [R, S]: the top-2 logit gap at every scored position;
@@ -116,7 +118,7 @@ def model_step(
       each packed token's next prompt token (``prompt_*``, [N] ...), each branch computed only
       when a row (or token) of the step asks for it, else zeros."""
     STEP_TRACES[0] += 1  # runs only while tracing
-    cache = PagedKVCache(pool, inputs.meta, backend=backend, plan=plan)
+    cache = PagedKVCache(pool, inputs.meta, backend=backend, plan=plan, writes=writes)
     hidden, cache = _forward(params, cfg, inputs, cache, backend)
     r, s = inputs.logits_indices.shape
     logits = compute_logits(params, cfg, hidden[0, inputs.logits_indices.reshape(-1)])
@@ -135,9 +137,9 @@ def model_step(
         )
         tokens = jnp.where(inputs.verify[:, None], verified, tokens)
         num_accepted = jnp.where(inputs.verify, accepted, 0)
+    kv = {"pool": cache.pool} if writes else {"new_k": cache.new_k, "new_v": cache.new_v}
     out: dict[str, Any] = {
-        "new_k": cache.new_k,
-        "new_v": cache.new_v,
+        **kv,
         "tokens": tokens,
         "num_accepted": num_accepted,
         "gaps": gaps,
@@ -161,6 +163,12 @@ def model_step(
     return out
 
 
+_STATIC = ("cfg", "backend", "plan")
+model_step = jax.jit(_model_step, static_argnames=_STATIC)
+# The step whose attention stores the new K/V itself, into the pool it is given (donated).
+model_step_writing = jax.jit(
+    functools.partial(_model_step, writes=True), static_argnames=_STATIC, donate_argnums=1
+)
 write_kv_jit = jax.jit(write_kv, donate_argnums=0)
 copy_blocks_jit = jax.jit(copy_blocks, donate_argnums=0)
 fill_blocks_jit = jax.jit(fill_blocks, donate_argnums=0, static_argnums=2)

@@ -58,6 +58,7 @@ FAMILIES: dict[str, tuple[list[Path], dict[str, str]]] = {
         {
             "research_paged_attention": "PagedAttention",
             "research_packed_attention": "PackedAttention",
+            "research_packed_attention_write": "PackedAttentionWrite",
         },
     ),
     "gemm": (
@@ -78,6 +79,7 @@ _GEMM_BLOCKS_TARGET = "research_gemm_blocks"
 _STREAM_TARGET = "research_stream"
 _GREEDY_TARGET = "research_greedy"
 _PACKED_TARGET = "research_packed_attention"
+_PACKED_WRITE_TARGET = "research_packed_attention_write"
 BUILD_TIMEOUT_S = 600.0
 _lock = threading.Lock()
 _state: dict[str, dict[str, Any]] = {}
@@ -440,6 +442,7 @@ def packed_attention(
     row_first: Any,
     row_count: Any,
     scale: float,
+    write: bool = False,
 ) -> Any:
     """Causal attention of a call's packed tokens over their rows' cached context and the rows'
     own new tokens, in one pass (prefill chunks; ``paged_attention.cc``).
@@ -448,7 +451,13 @@ def packed_attention(
     v_pages [K, B, P, E] float32 or bfloat16, block_tables [R, M] int32, row_start [R] (cached
     tokens per row), row_first [R] (packed index of each row's first token; a row's tokens are
     contiguous), row_count [R] (0: an empty row) -> out [N, H, E] float32, 0 for tokens of no
-    row."""
+    row.
+
+    ``write``: also store the new K/V in the pages, each row's t-th token at position
+    ``row_start + t`` of its block table (``write_kv``'s scatter; positions past the table or
+    blocks outside the pool are dropped), and return ``(out, k_pages, v_pages)``. The pages are
+    updated in place where the caller donates them (the outputs alias the inputs); otherwise
+    XLA copies them first."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -456,7 +465,14 @@ def packed_attention(
     if not _load():
         raise RuntimeError(f"native packed attention unavailable: {build_error()}")
     f32, i32 = jnp.float32, jnp.int32
-    call = jax.ffi.ffi_call(_PACKED_TARGET, jax.ShapeDtypeStruct(q.shape, f32))
+    out = jax.ShapeDtypeStruct(q.shape, f32)
+    if write:
+        pages = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k_pages, v_pages)]
+        call = jax.ffi.ffi_call(
+            _PACKED_WRITE_TARGET, (out, *pages), input_output_aliases={3: 1, 4: 2}
+        )
+    else:
+        call = jax.ffi.ffi_call(_PACKED_TARGET, out)
     return call(
         q.astype(f32),
         k_new.astype(f32),

@@ -542,12 +542,12 @@ void attend_block(const PackedShapes& s, const float* q, const float* k_new, con
   }
 }
 
-ffi::Error PackedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                               ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
-                               ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
-                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> row_start,
-                               ffi::Buffer<ffi::S32> row_first, ffi::Buffer<ffi::S32> row_count,
-                               float scale, ffi::ResultBuffer<ffi::F32> out) {
+// The shapes of a packed call, checked; on success `s` and `bf16` describe it.
+ffi::Error packed_shapes(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+                         ffi::Buffer<ffi::F32> v_new, ffi::AnyBuffer k_pages,
+                         ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> block_tables,
+                         ffi::Buffer<ffi::S32> row_start, ffi::Buffer<ffi::S32> row_first,
+                         ffi::Buffer<ffi::S32> row_count, PackedShapes* s, bool* bf16) {
   auto qd = q.dimensions();
   auto nd = k_new.dimensions();
   auto kd = k_pages.dimensions();
@@ -559,31 +559,39 @@ ffi::Error PackedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       v_new.dimensions()[2] != nd[2] || kd[3] != qd[2] ||
       qd[1] % kd[0] != 0 || qd[2] > 256 || row_start.dimensions().size() != 1 ||
       row_start.dimensions()[0] != r || row_first.dimensions()[0] != r ||
-      row_count.dimensions()[0] != r) {
+      row_count.dimensions()[0] != r || v_pages.dimensions().size() != 4 ||
+      !std::equal(kd.begin(), kd.end(), v_pages.dimensions().begin())) {
     return ffi::Error::InvalidArgument("packed_attention: inconsistent shapes");
   }
-  bool bf16 = false, v_bf16 = false;
-  if (!page_format(k_pages.element_type(), &bf16) ||
-      !page_format(v_pages.element_type(), &v_bf16) || bf16 != v_bf16) {
+  bool v_bf16 = false;
+  if (!page_format(k_pages.element_type(), bf16) ||
+      !page_format(v_pages.element_type(), &v_bf16) || *bf16 != v_bf16) {
     return ffi::Error::InvalidArgument("packed_attention: pages must be float32 or bfloat16");
   }
-  PackedShapes s{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1], qd[1] / kd[0], r};
+  *s = PackedShapes{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1], qd[1] / kd[0], r};
   const int32_t* starts = row_start.typed_data();
   const int32_t* firsts = row_first.typed_data();
   const int32_t* counts = row_count.typed_data();
   for (int64_t i = 0; i < r; ++i) {
-    if (counts[i] > 0 && (firsts[i] < 0 || firsts[i] + counts[i] > s.n || starts[i] < 0)) {
+    if (counts[i] > 0 && (firsts[i] < 0 || firsts[i] + counts[i] > s->n || starts[i] < 0)) {
       return ffi::Error::InvalidArgument("packed_attention: a row's tokens fall outside the call");
     }
   }
-  float* o = out->typed_data();
+  return ffi::Error::Success();
+}
+
+// The attention itself, reading the cached context from pages kp / vp.
+void packed_attention(ffi::ThreadPool& pool, const PackedShapes& s, bool bf16, const float* qp,
+                      const float* knp, const float* vnp, const void* kp, const void* vp,
+                      const int32_t* tables, const int32_t* starts, const int32_t* firsts,
+                      const int32_t* counts, float scale, float* o) {
   std::fill(o, o + s.n * s.h * s.e, 0.0f);
   // Units (row, kv head, query block), the longest rows' last blocks (the most keys) first.
   struct Unit {
     int64_t row, k, t0;
   };
   std::vector<Unit> units;
-  for (int64_t i = 0; i < r; ++i) {
+  for (int64_t i = 0; i < s.r; ++i) {
     for (int64_t t0 = 0; t0 < counts[i]; t0 += kQueryBlock) {
       for (int64_t k = 0; k < s.kvh; ++k) units.push_back({i, k, t0});
     }
@@ -592,12 +600,6 @@ ffi::Error PackedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return starts[a.row] + a.t0 > starts[b.row] + b.t0;
   });
   auto shared = std::make_shared<std::vector<Unit>>(std::move(units));
-  const float* qp = q.typed_data();
-  const float* knp = k_new.typed_data();
-  const float* vnp = v_new.typed_data();
-  const void* kp = k_pages.untyped_data();
-  const void* vp = v_pages.untyped_data();
-  const int32_t* tables = block_tables.typed_data();
   auto block = s.e == 64 ? attend_block<64> : s.e == 128 ? attend_block<128> : attend_block<0>;
   auto run = [=](int64_t begin, int64_t end) {
     thread_local std::vector<float> work;
@@ -609,6 +611,97 @@ ffi::Error PackedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     }
   };
   research_native::parallel_for(pool, static_cast<int64_t>(shared->size()), 8, run);
+}
+
+ffi::Error PackedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                               ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                               ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> row_start,
+                               ffi::Buffer<ffi::S32> row_first, ffi::Buffer<ffi::S32> row_count,
+                               float scale, ffi::ResultBuffer<ffi::F32> out) {
+  PackedShapes s;
+  bool bf16 = false;
+  ffi::Error checked = packed_shapes(q, k_new, v_new, k_pages, v_pages, block_tables, row_start,
+                                     row_first, row_count, &s, &bf16);
+  if (checked.failure()) return checked;
+  packed_attention(pool, s, bf16, q.typed_data(), k_new.typed_data(), v_new.typed_data(),
+                   k_pages.untyped_data(), v_pages.untyped_data(), block_tables.typed_data(),
+                   row_start.typed_data(), row_first.typed_data(), row_count.typed_data(), scale,
+                   out->typed_data());
+  return ffi::Error::Success();
+}
+
+// float32 -> the pages' element: bfloat16 bits rounded to nearest even (NaN stays NaN), as
+// XLA's convert.
+inline uint16_t page_bf16(float f) {
+  if (f != f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof(bits));
+    return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+  }
+  return research_native::to_bf16(f);
+}
+
+// The same attention, after storing the call's new K/V in the pages (write_kv's scatter, done
+// here so that a step needs no second call): k_out / v_out alias k_pages / v_pages (the caller
+// donates them), and each row's t-th new token goes to position row_start + t of its block
+// table; positions past the table, or blocks outside the pool, are dropped as write_kv drops
+// them. The context read is positions < row_start only, so the order of the two does not
+// matter; the stores come first.
+ffi::Error PackedAttentionWriteImpl(
+    ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+    ffi::Buffer<ffi::F32> v_new, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+    ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> row_start,
+    ffi::Buffer<ffi::S32> row_first, ffi::Buffer<ffi::S32> row_count, float scale,
+    ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> k_out,
+    ffi::Result<ffi::AnyBuffer> v_out) {
+  PackedShapes s;
+  bool bf16 = false;
+  ffi::Error checked = packed_shapes(q, k_new, v_new, k_pages, v_pages, block_tables, row_start,
+                                     row_first, row_count, &s, &bf16);
+  if (checked.failure()) return checked;
+  auto kd = k_pages.dimensions();
+  if (k_out->element_type() != k_pages.element_type() ||
+      v_out->element_type() != v_pages.element_type() ||
+      k_out->size_bytes() != k_pages.size_bytes() || v_out->size_bytes() != v_pages.size_bytes() ||
+      !std::equal(kd.begin(), kd.end(), k_out->dimensions().begin())) {
+    return ffi::Error::InvalidArgument("packed_attention: written pages differ from the pages");
+  }
+  void* kp = k_out->untyped_data();
+  void* vp = v_out->untyped_data();
+  // XLA gives the donated operand's own buffer; a copy where it did not keeps the call right.
+  if (kp != k_pages.untyped_data()) std::memcpy(kp, k_pages.untyped_data(), k_pages.size_bytes());
+  if (vp != v_pages.untyped_data()) std::memcpy(vp, v_pages.untyped_data(), v_pages.size_bytes());
+  const int32_t* tables = block_tables.typed_data();
+  const int32_t* starts = row_start.typed_data();
+  const int32_t* firsts = row_first.typed_data();
+  const int32_t* counts = row_count.typed_data();
+  const float* knp = k_new.typed_data();
+  const float* vnp = v_new.typed_data();
+  for (int64_t i = 0; i < s.r; ++i) {
+    for (int64_t t = 0; t < counts[i]; ++t) {
+      const int64_t pos = starts[i] + t, page = pos / s.p;
+      if (page >= s.m) continue;
+      const int64_t blk = tables[i * s.m + page];
+      if (blk < 0 || blk >= s.blocks) continue;
+      const int64_t token = firsts[i] + t;
+      for (int64_t k = 0; k < s.kvh; ++k) {
+        const int64_t dst = ((k * s.blocks + blk) * s.p + pos % s.p) * s.e;
+        const float* ks = knp + (token * s.kvh + k) * s.e;
+        const float* vs = vnp + (token * s.kvh + k) * s.e;
+        if (bf16) {
+          uint16_t* kw = static_cast<uint16_t*>(kp) + dst;
+          uint16_t* vw = static_cast<uint16_t*>(vp) + dst;
+          for (int64_t d = 0; d < s.e; ++d) kw[d] = page_bf16(ks[d]), vw[d] = page_bf16(vs[d]);
+        } else {
+          std::memcpy(static_cast<float*>(kp) + dst, ks, s.e * sizeof(float));
+          std::memcpy(static_cast<float*>(vp) + dst, vs, s.e * sizeof(float));
+        }
+      }
+    }
+  }
+  packed_attention(pool, s, bf16, q.typed_data(), knp, vnp, kp, vp, tables, starts, firsts, counts,
+                   scale, out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -640,3 +733,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedAttention, PackedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedAttentionWrite, PackedAttentionWriteImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
