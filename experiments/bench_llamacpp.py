@@ -19,9 +19,11 @@ picks our projections' kernel: ``auto`` (AMX where the CPU has it, else the vect
 ``vector`` (what a CPU without AMX runs), ``amx``, or ``xla`` (XLA's dots). Ours runs every
 prefill in one step (``max_num_batched_tokens = B * npp``) so its ``ntg`` decode steps are as
 static as llama.cpp's, greedy, ``ignore_eos``, after an untimed pass that compiles every step
-shape (the timed pass must trace nothing). On a shared host, ``--rounds N`` alternates the two
-engines N times and reports medians (each ratio the median of the rounds' own ratios); each
-column's roof fraction is against a plain read timed right after its rows.
+shape (the timed pass must trace nothing). A shared host's memory moves by more than the gaps
+being measured, so the engines take turns per batch size (ours stays loaded; which one goes
+first alternates), and both rows of a batch size are held against one plain read timed right
+after them (their roof fractions); ``--rounds N`` repeats the whole and reports medians (each
+ratio the median of the rounds' own ratios).
 
 llama.cpp is not a dependency: ``--binary`` (or ``$LLAMA_BATCHED_BENCH``, or the one on
 ``PATH``) names a built ``llama-batched-bench``; ``--build DIR`` builds one into ``DIR`` from the
@@ -264,6 +266,100 @@ def run_llamacpp(
     return rows, build_info(version.stdout + version.stderr)
 
 
+class Ours:
+    """Our engine on llama-batched-bench's workload, loaded once for every batch size up to
+    ``largest`` (``run(b)``: one row), so that it can take turns with llama.cpp per batch
+    size. ``gemm``: "xla" (XLA's dots), else the native kernels' ``$RESEARCH_GEMM_KERNEL``
+    ("auto", "vector", "amx"). ``quantization="gguf"``: the GGUF's Q4_1 / Q8_0 blocks as
+    stored (``dtype`` is then the activations')."""
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str,
+        largest: int,
+        npp: int,
+        ntg: int,
+        seed: int = 0,
+        gemm: str = "auto",
+        quantization: str | None = None,
+    ):
+        import numpy as np
+
+        from research import LLM, SamplingParams
+
+        if gemm != "xla":
+            os.environ["RESEARCH_GEMM_KERNEL"] = gemm
+        self.npp, self.ntg = npp, ntg
+        self.llm = LLM(
+            model,
+            dtype=dtype,
+            gemm_backend="xla" if gemm == "xla" else "auto",
+            quantization=quantization,
+            max_model_len=npp + ntg + 1,
+            max_num_seqs=largest,
+            max_num_batched_tokens=largest * npp,
+            enable_prefix_caching=False,
+            num_kv_blocks=largest * -(-(npp + ntg + 1) // 16) + 1,  # every sequence, none preempted
+        )
+        self.sp = SamplingParams(max_tokens=ntg + 1, temperature=0.0, ignore_eos=True)
+        self.rng = np.random.default_rng(seed)
+
+    def run(self, b: int) -> dict[str, Any]:
+        """``b`` random prompts of ``npp`` tokens prefilled in one step, then ``ntg`` decode
+        steps (``ntg + 1`` tokens: the first comes from the prefill). An untimed pass compiles;
+        the timed one must trace nothing."""
+        from research.engine import step
+
+        llm, npp, ntg = self.llm, self.npp, self.ntg
+        vocab = llm.model_config.vocab_size
+        prompts = [self.rng.integers(3, vocab, npp).tolist() for _ in range(b)]
+        llm.generate([{"prompt_token_ids": p} for p in prompts], self.sp)  # compiles every shape
+        traces = step.STEP_TRACES[0]
+        steps = llm.engine.num_steps
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], self.sp)
+        if step.STEP_TRACES[0] != traces:
+            raise RuntimeError(f"B={b}: the timed pass compiled a step shape")
+        metrics = [o.metrics for o in outs]
+        assert all(len(o.outputs[0].token_ids) == ntg + 1 for o in outs)
+        first = max(m.first_token_time for m in metrics)
+        t_pp = first - min(m.arrival_time for m in metrics)
+        t_tg = max(m.finished_time for m in metrics) - first
+        return dict(pl=b, pp=npp, tg=ntg, t_pp=t_pp, speed_pp=b * npp / t_pp, t_tg=t_tg,
+                    speed_tg=b * ntg / t_tg, steps=llm.engine.num_steps - steps)  # fmt: skip
+
+    def roofline(self, rows: list[dict[str, Any]], peaks: dict[str, float]) -> None:
+        """Each row's ``decode_roofline`` fractions against its own ``window_read`` (a plain
+        read's bytes/s, timed by the caller right after the row): what one decode step reads, as served (packed panels,
+        GGUF blocks), each projection once, the embedding only by its lookup (one row per
+        token) when a separate head (or the tied embedding's packed copy) is the output
+        projection."""
+        import jax
+        import numpy as np
+
+        from research.native.gemm import BlockWeight, PackedWeight
+
+        llm = self.llm
+        params = llm.engine.executor.params
+        is_weight = lambda x: isinstance(x, (PackedWeight, BlockWeight))  # noqa: E731
+        leaves = jax.tree.leaves(params, is_leaf=is_weight)
+        lookup = params["embed"] if "lm_head" in params else None
+        read = sum(x.packed.nbytes if is_weight(x) else x.nbytes for x in leaves)
+        weights = sum(x.shape[0] * x.shape[1] if is_weight(x) else x.size for x in leaves)
+        if lookup is not None:
+            read, weights = read - lookup.nbytes, weights - lookup.size
+        itemsize = np.dtype(llm.dtype).itemsize
+        for r in rows:
+            decode_roofline(
+                [r],
+                read,
+                llm.model_config.kv_bytes_per_token(itemsize),
+                r["window_read"],
+                2.0 * weights,
+                peaks["bf16_flops" if itemsize == 2 else "flops"],
+            )
+
+
 def run_ours(
     model: str,
     dtype: str,
@@ -275,81 +371,16 @@ def run_ours(
     gemm: str = "auto",
     quantization: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Our engine on llama-batched-bench's workload: per batch size ``B``, ``B`` random prompts
-    of ``npp`` tokens prefilled in one step, then ``ntg`` decode steps (``ntg + 1`` tokens: the
-    first comes from the prefill). An untimed pass compiles; the timed one must trace nothing.
-    ``peaks`` (``host_peaks()``): each row gets its ``decode_roofline`` fractions (reads against
-    ``read_bandwidth_now()`` after the rows, kept as ``window_read``). ``gemm``:
-    "xla" (XLA's dots), else the native kernels' ``$RESEARCH_GEMM_KERNEL`` ("auto", "vector",
-    "amx"). ``quantization="gguf"``: the GGUF's Q4_1 / Q8_0 blocks as stored (``dtype`` is
-    then the activations')."""
-    import jax
-    import numpy as np
-
-    from research import LLM, SamplingParams
-    from research.engine import step
-
-    if gemm != "xla":
-        os.environ["RESEARCH_GEMM_KERNEL"] = gemm
-    largest = max(npl)
-    llm = LLM(
-        model,
-        dtype=dtype,
-        gemm_backend="xla" if gemm == "xla" else "auto",
-        quantization=quantization,
-        max_model_len=npp + ntg + 1,
-        max_num_seqs=largest,
-        max_num_batched_tokens=largest * npp,
-        enable_prefix_caching=False,
-        num_kv_blocks=largest * -(-(npp + ntg + 1) // 16) + 1,  # every sequence, none preempted
-    )
-    vocab = llm.model_config.vocab_size
-    sp = SamplingParams(max_tokens=ntg + 1, temperature=0.0, ignore_eos=True)
-    rng = np.random.default_rng(seed)
-    rows = []
-    for b in npl:
-        prompts = [rng.integers(3, vocab, npp).tolist() for _ in range(b)]
-        llm.generate([{"prompt_token_ids": p} for p in prompts], sp)  # compiles every shape
-        traces = step.STEP_TRACES[0]
-        steps = llm.engine.num_steps
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
-        if step.STEP_TRACES[0] != traces:
-            raise RuntimeError(f"B={b}: the timed pass compiled a step shape")
-        metrics = [o.metrics for o in outs]
-        assert all(len(o.outputs[0].token_ids) == ntg + 1 for o in outs)
-        first = max(m.first_token_time for m in metrics)
-        t_pp = first - min(m.arrival_time for m in metrics)
-        t_tg = max(m.finished_time for m in metrics) - first
-        rows.append(
-            dict(pl=b, pp=npp, tg=ntg, t_pp=t_pp, speed_pp=b * npp / t_pp, t_tg=t_tg,
-                 speed_tg=b * ntg / t_tg, steps=llm.engine.num_steps - steps)
-        )  # fmt: skip
+    """``Ours``' rows for every batch size of ``npl`` in turn. ``peaks`` (``host_peaks()``):
+    each row gets its ``decode_roofline`` fractions (reads against one ``read_bandwidth_now()``
+    after the rows, kept as ``window_read``)."""
+    ours = Ours(model, dtype, max(npl), npp, ntg, seed, gemm, quantization)
+    rows = [ours.run(b) for b in npl]
     if peaks is not None:
-        from research.native.gemm import BlockWeight, PackedWeight
-
-        # What one decode step reads, as served (packed panels, GGUF blocks): each projection
-        # once, the embedding only by its lookup (one row per token) when a separate head
-        # (or the tied embedding's packed copy) is the output projection.
-        params = llm.engine.executor.params
-        is_weight = lambda x: isinstance(x, (PackedWeight, BlockWeight))  # noqa: E731
-        leaves = jax.tree.leaves(params, is_leaf=is_weight)
-        lookup = params["embed"] if "lm_head" in params else None
-        read = sum(x.packed.nbytes if is_weight(x) else x.nbytes for x in leaves)
-        weights = sum(x.shape[0] * x.shape[1] if is_weight(x) else x.size for x in leaves)
-        if lookup is not None:
-            read, weights = read - lookup.nbytes, weights - lookup.size
-        itemsize = np.dtype(llm.dtype).itemsize
         window = read_bandwidth_now()
         for r in rows:
             r["window_read"] = window
-        decode_roofline(
-            rows,
-            read,
-            llm.model_config.kv_bytes_per_token(itemsize),
-            window,
-            2.0 * weights,
-            peaks["bf16_flops" if itemsize == 2 else "flops"],
-        )
+        ours.roofline(rows, peaks)
     return rows
 
 
@@ -358,7 +389,7 @@ def median_rounds(
 ) -> dict[str, list[dict[str, Any]]]:
     """Rounds of the same comparison -> one: every number the median over rounds, and each
     row with a reference its ``ratio``, the median of each round's own S_TG ratio (the two
-    engines ran minutes apart inside a round, rounds further apart); ``rounds`` keeps the
+    engines ran back to back inside a round, rounds minutes apart); ``rounds`` keeps the
     per-round rows."""
     import statistics
 
@@ -457,41 +488,57 @@ def main(argv: list[str] | None = None) -> None:
     flags = f" {' '.join(extra)}" if extra else ""
     kv = get_preset("smollm2-135m").kv_bytes_per_token(2)  # llama.cpp's KV cache is float16
 
-    def llamacpp(path: Path, label: str) -> str:
-        rows, info = run_llamacpp(binary, path, args.npl, args.npp, args.ntg, args.threads, extra)
-        if args.build:
-            info = f"{info or 'llama.cpp'} ({LLAMA_CPP_PYTHON})"
-        window = read_bandwidth_now()  # the read rate of the minutes these rows ran in
-        for r in rows:
-            r["window_read"] = window
-        decode_roofline(rows, gguf_weight_bytes(path), kv, window)
-        name = f"{info or 'llama.cpp'} {label}{flags}"
-        results[name] = rows
-        return name
+    def model_args(dtype: str) -> tuple[Any, ...]:
+        return ("smollm2-135m", dtype, max(args.npl), args.npp, args.ntg)
 
-    for _ in range(args.rounds):  # llama.cpp and ours alternate inside each round
+    # (llama.cpp's weights, their label, ours that are held against them)
+    groups: list[tuple[Path, str, list[tuple[str, Ours]]]] = []
+    if args.q4:  # the same Q4_1 / Q8_0 blocks on both sides
+        # and AWQ int4 (the bf16 weights requantized at load; groups of 64 or 128 input
+        # channels) read as stored: other 4-bit weights, as many bytes per weight as Q4_1
+        # (the GGUF's blocks take int8 activations, as llama.cpp's dot products do)
+        q4 = [(name, Ours(*model_args("bfloat16"), quantization=quant))
+              for quant, name in (("gguf", "ours Q4_1 (gguf blocks, int8 activations)"),
+                                  ("awq", "ours AWQ int4 (blocks, bf16 activations)"))]  # fmt: skip
+        groups.append((gguf, "Q4_1", q4))
+    for dtype in args.dtype:
+        path = requantize(quantize, gguf, dtype, weights_dir)
+        ours = Ours(*model_args(dtype), gemm=args.gemm)
+        groups.append((path, GGUF_TYPES[dtype], [(f"ours {dtype} ({args.gemm})", ours)]))
+        if args.gemm != "xla":
+            print(f"ours {dtype}: projections through {gemm.describe(dtype)}")
+
+    for rnd in range(args.rounds):
         results = {}
-        if args.q4:  # the same Q4_1 / Q8_0 blocks on both sides
-            ref = llamacpp(gguf, "Q4_1")
-            # and AWQ int4 (the bf16 weights requantized at load; groups of 64 or 128 input
-            # channels) read as stored: other 4-bit weights, as many bytes per weight as Q4_1
-            # (the GGUF's blocks take int8 activations, as llama.cpp's dot products do)
-            for quant, ours in (("gguf", "ours Q4_1 (gguf blocks, int8 activations)"),
-                                ("awq", "ours AWQ int4 (blocks, bf16 activations)")):  # fmt: skip
-                results[ours] = run_ours(
-                    "smollm2-135m", "bfloat16", args.npl, args.npp, args.ntg, peaks=peaks,
-                    quantization=quant,
-                )  # fmt: skip
-                references[ours] = ref
-        for dtype in args.dtype:
-            ref = llamacpp(requantize(quantize, gguf, dtype, weights_dir), GGUF_TYPES[dtype])
-            ours = f"ours {dtype} ({args.gemm})"
-            results[ours] = run_ours(
-                "smollm2-135m", dtype, args.npl, args.npp, args.ntg, peaks=peaks, gemm=args.gemm
-            )
-            references[ours] = ref
-            if args.gemm != "xla" and not rounds:
-                print(f"ours {dtype}: projections through {gemm.describe(dtype)}")
+        for path, label, ours_list in groups:
+            ref = ""
+            by_engine: dict[str, list[dict[str, Any]]] = {}
+            for k, b in enumerate(args.npl):
+                # the engines take turns per batch size, the first one alternating, and the
+                # rows of one batch size share the read timed right after them
+                rows: dict[str, dict[str, Any]] = {}
+                turns: list[Any] = ["llama.cpp", *ours_list]
+                for turn in turns if (rnd + k) % 2 == 0 else turns[::-1]:
+                    if turn == "llama.cpp":
+                        found, info = run_llamacpp(
+                            binary, path, [b], args.npp, args.ntg, args.threads, extra
+                        )
+                        if args.build:
+                            info = f"{info or 'llama.cpp'} ({LLAMA_CPP_PYTHON})"
+                        ref = f"{info or 'llama.cpp'} {label}{flags}"
+                        rows[ref] = found[0]
+                    else:
+                        rows[turn[0]] = turn[1].run(b)
+                window = read_bandwidth_now()
+                for name, row in rows.items():
+                    row["window_read"] = window
+                    by_engine.setdefault(name, []).append(row)
+                decode_roofline([rows[ref]], gguf_weight_bytes(path), kv, window)
+                for name, ours in ours_list:
+                    ours.roofline([rows[name]], peaks)
+                    references[name] = ref
+            results[ref] = by_engine[ref]  # the reference's column first
+            results.update((name, by_engine[name]) for name, _ in ours_list)
         rounds.append(results)
     results = median_rounds(rounds, references)
     print(
@@ -502,15 +549,16 @@ def main(argv: list[str] | None = None) -> None:
         "dtype" + (" (medians over rounds)" if args.rounds > 1 else "")
     )
     print(table(results, references))
-    windows = ", ".join(
-        f"{n.split(' (')[0]} {rows[0]['window_read'] / 1e9:.1f}"
+    windows = "; ".join(
+        f"{n.split(' (')[0]} " + " / ".join(f"{r['window_read'] / 1e9:.1f}" for r in rows)
         for n, rows in results.items()
-        if rows and "window_read" in rows[0]
+        if n not in references
     )
     print(
         "roof: the decode step's fraction of this machine's roofline: reads (the weights once "
-        "plus every row's cache) against a plain read timed right after each column's rows "
-        f"(GB/s: {windows}; cached peak {peaks['bandwidth'] / 1e9:.1f}), and "
+        "plus every row's cache) against a plain read timed right after both engines' rows of "
+        f"each batch size (GB/s at B = {' / '.join(map(str, args.npl))}: {windows}; cached "
+        f"peak {peaks['bandwidth'] / 1e9:.1f}), and "
         f"{peaks['bf16_flops'] / 1e9:.0f} GFLOP/s bf16 and {peaks['flops'] / 1e9:.0f} float32 "
         "GEMM (llama.cpp: reads only)"
     )

@@ -118,3 +118,60 @@ def test_rounds_merge_into_medians_and_the_median_of_each_rounds_own_ratio():
     assert len(merged["ours"][0]["rounds"]) == 3
     row = bench.table(merged, {"ours": "llama.cpp"}).splitlines()[-1]
     assert row.split("|")[2].split()[-1] == "2.00x"
+
+
+def test_the_engines_take_turns_per_batch_size_and_share_its_read(monkeypatch, tmp_path, capsys):
+    """``main`` with both engines stood in for: per batch size llama.cpp and ours run back to
+    back, the first alternating (so neither always runs in the other's wake), ours loaded once
+    per dtype, and both rows of a batch size carry the one read timed right after them."""
+    calls: list[tuple[str, int]] = []
+    windows = iter(float(n) * 1e9 for n in range(1, 100))
+
+    def fake_llamacpp(binary, path, npl, npp, ntg, threads, extra=()):
+        calls.append(("llama.cpp", npl[0]))
+        return [dict(pl=npl[0], pp=npp, tg=ntg, t_pp=1.0, speed_pp=1.0, t_tg=1.0,
+                     speed_tg=100.0)], "llama.cpp 1"  # fmt: skip
+
+    class FakeOurs:
+        loaded = 0
+
+        def __init__(self, *args, **kwargs):
+            FakeOurs.loaded += 1
+
+        def run(self, b):
+            calls.append(("ours", b))
+            return dict(pl=b, pp=8, tg=4, t_pp=1.0, speed_pp=1.0, t_tg=1.0, speed_tg=150.0)
+
+        def roofline(self, rows, peaks):
+            for r in rows:
+                r["read_frac"] = 0.5
+
+    monkeypatch.setattr(bench, "run_llamacpp", fake_llamacpp)
+    monkeypatch.setattr(bench, "Ours", FakeOurs)
+    monkeypatch.setattr(bench, "find_binary", lambda binary: tmp_path / "bench")
+    monkeypatch.setattr(bench, "find_quantize", lambda binary: tmp_path / "quantize")
+    monkeypatch.setattr(bench, "requantize", lambda q, g, dtype, d: tmp_path / f"{dtype}.gguf")
+    monkeypatch.setattr(bench, "gguf_weight_bytes", lambda path: 1e6)
+    monkeypatch.setattr(bench, "read_bandwidth_now", lambda: next(windows))
+    monkeypatch.setattr(
+        "research.perf.host_peaks.host_peaks",
+        lambda: dict(bandwidth=1e10, bf16_flops=1e11, flops=1e11),
+    )
+    out = tmp_path / "rows.json"
+    bench.main(["--npl", "1", "8", "--dtype", "bfloat16", "--rounds", "2", "--json", str(out)])
+    assert FakeOurs.loaded == 1
+    assert calls == [
+        ("llama.cpp", 1), ("ours", 1), ("ours", 8), ("llama.cpp", 8),  # round 1
+        ("ours", 1), ("llama.cpp", 1), ("llama.cpp", 8), ("ours", 8),  # round 2
+    ]  # fmt: skip
+    import json
+
+    rows = json.loads(out.read_text())
+    ours, ref = rows["ours bfloat16 (auto)"], rows["llama.cpp 1 BF16"]
+    for mine, theirs in zip(ours, ref, strict=True):
+        assert [r["window_read"] for r in mine["rounds"]] == [
+            r["window_read"] for r in theirs["rounds"]
+        ]
+    assert [r["window_read"] for r in ours[0]["rounds"]] == [1e9, 3e9]
+    assert ours[0]["ratio"] == pytest.approx(1.5)
+    assert "1.50x" in capsys.readouterr().out
