@@ -288,9 +288,7 @@ class Ours:
 
         from research import LLM, SamplingParams
 
-        if gemm != "xla":
-            os.environ["RESEARCH_GEMM_KERNEL"] = gemm
-        self.npp, self.ntg = npp, ntg
+        self.gemm, self.npp, self.ntg = gemm, npp, ntg
         self.llm = LLM(
             model,
             dtype=dtype,
@@ -312,6 +310,8 @@ class Ours:
         from research.engine import step
 
         llm, npp, ntg = self.llm, self.npp, self.ntg
+        if self.gemm != "xla":  # read when a step is traced: several of us share the process
+            os.environ["RESEARCH_GEMM_KERNEL"] = self.gemm
         vocab = llm.model_config.vocab_size
         prompts = [self.rng.integers(3, vocab, npp).tolist() for _ in range(b)]
         llm.generate([{"prompt_token_ids": p} for p in prompts], self.sp)  # compiles every shape

@@ -5,8 +5,9 @@ mix) goes into one call of the jitted ``research.engine.step.model_step``: the p
 ``InputBatch`` gathers the step's flat inputs, the ``CompileManager`` picks the step's compiled
 shape (N tokens, R rows, M blocks per row), the step samples (and verifies drafts) on device,
 and a second jitted call scatters the new K/V into the donated pool (with the native attention
-kernel, the step stores them itself, into the pool it is given donated: one call). ``StepResult`` carries
-``forward_passes`` (1 per step with tokens) so every results row can show it.
+kernel the step stores them itself, into the pool it is given donated: one call).
+``StepResult`` carries ``forward_passes`` (1 per step with tokens) so every results row can
+show it.
 """
 
 from __future__ import annotations
