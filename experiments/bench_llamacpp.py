@@ -360,30 +360,6 @@ class Ours:
             )
 
 
-def run_ours(
-    model: str,
-    dtype: str,
-    npl: Sequence[int],
-    npp: int,
-    ntg: int,
-    seed: int = 0,
-    peaks: dict[str, float] | None = None,
-    gemm: str = "auto",
-    quantization: str | None = None,
-) -> list[dict[str, Any]]:
-    """``Ours``' rows for every batch size of ``npl`` in turn. ``peaks`` (``host_peaks()``):
-    each row gets its ``decode_roofline`` fractions (reads against one ``read_bandwidth_now()``
-    after the rows, kept as ``window_read``)."""
-    ours = Ours(model, dtype, max(npl), npp, ntg, seed, gemm, quantization)
-    rows = [ours.run(b) for b in npl]
-    if peaks is not None:
-        window = read_bandwidth_now()
-        for r in rows:
-            r["window_read"] = window
-        ours.roofline(rows, peaks)
-    return rows
-
-
 def median_rounds(
     rounds: list[dict[str, list[dict[str, Any]]]], references: dict[str, str]
 ) -> dict[str, list[dict[str, Any]]]:

@@ -64,7 +64,8 @@ def test_a_missing_binary_says_how_to_get_one(tmp_path, monkeypatch):
 def test_ours_runs_the_static_workload_of_batched_bench():
     """Each batch: one step prefills every prompt, ``ntg`` steps decode (``ntg + 1`` tokens),
     and the rates are the tokens over those phases."""
-    rows = bench.run_ours("tiny-llama", "float32", [1, 3], npp=8, ntg=4)
+    ours = bench.Ours("tiny-llama", "float32", largest=3, npp=8, ntg=4)
+    rows = [ours.run(b) for b in (1, 3)]
     assert [(r["pl"], r["steps"]) for r in rows] == [(1, 5), (3, 5)]
     for r in rows:
         assert r["speed_tg"] == pytest.approx(r["pl"] * 4 / r["t_tg"])
