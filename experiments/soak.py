@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import resource
@@ -310,7 +311,7 @@ def run_soak(argv: list[str] | None = None) -> dict[str, Any]:
         _idle_state(warmup)
         settled = llm.engine.executor.wait_for_background_compiles()
         census_before = object_census()
-        compiled_before = held_by_executables(sum(executables(llm), []))
+        compiled_before = held_by_executables(itertools.chain(*executables(llm)))
         compiled_in_warmup = llm.engine.num_compilations
         step_compiles_in_warmup = llm.engine.executor.step_compiles
         baseline = tracemalloc.take_snapshot() if args.trace_malloc else None
@@ -321,7 +322,9 @@ def run_soak(argv: list[str] | None = None) -> dict[str, Any]:
         idle = _idle_state(soak)
         settled = llm.engine.executor.wait_for_background_compiles() and settled
         census = census_growth(
-            census_before, object_census(), (compiled_before, held_by_executables(sum(executables(llm), [])))
+            census_before,
+            object_census(),
+            (compiled_before, held_by_executables(itertools.chain(*executables(llm)))),
         )
     growth = []
     if baseline is not None:

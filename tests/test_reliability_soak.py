@@ -55,9 +55,8 @@ def test_short_soak_in_its_own_process(tmp_path, capsys):
     assert census["project_objects_before"] > 0  # the census sees the engine at all
     assert census["retained_objects_growth"] <= MAX_RETAINED_OBJECTS, census
     assert summary["objects_per_compiled_shape"] > 0  # the executables' trees are seen at all
-    assert 0 <= census["compiled_objects_growth"] <= (
-        summary["compiled_after_warmup"] * summary["objects_per_compiled_shape"]
-    ), summary
+    per_shape = summary["objects_per_compiled_shape"]
+    assert 0 <= census["compiled_objects_growth"] <= summary["compiled_after_warmup"] * per_shape
     assert census["live_arrays_growth"] <= 10, census
     assert len(summary["rss_mb"]) >= 5
     assert summary["ok"] and proc.returncode == 0
