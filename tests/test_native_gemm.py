@@ -92,10 +92,11 @@ def test_vector_kernel_is_its_exact_float32_arithmetic(m):
 
 
 @built
-@pytest.mark.parametrize("m", [1, 3, 6, 70])
+@pytest.mark.parametrize("m", [1, 3, 6, 11, 64, 70])
 def test_float32_weights_match_a_float64_reference(m):
     """float32 panels [K, 32]: fused multiply-adds in k order (even and odd k apart), so within
-    a few float32 roundings of the float64 product, and exact on integer-valued operands."""
+    a few float32 roundings of the float64 product, and exact on integer-valued operands. Row
+    counts across the float32 row blocks (6 rows on AVX-512, else 2) and their tails."""
     rng = np.random.default_rng(m)
     k, n = 128, 96
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)

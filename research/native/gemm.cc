@@ -231,7 +231,8 @@ void gemm(ffi::ThreadPool&, int64_t, int64_t, int64_t, const uint16_t*, const ui
 // Decode multiplies a few rows by every weight once, so a step is as fast as the weights
 // stream: each 32-column panel (a contiguous stream, read front to back) is read once per
 // unit of up to kVecUnitRows rows, in steps of kStepBlocks k blocks that every block of
-// kVecRows rows takes from cache in turn, each output column one float32 lane. A unit's rows are widened to float32 once. A bfloat16 pair (two k) is one
+// kVecRows rows (float32: kF32Rows) takes from cache in turn, each output column one float32
+// lane. A unit's rows are widened to float32 once. A bfloat16 pair (two k) is one
 // 32-bit lane: the even k is its low half (<< 16), the odd k its high half (& 0xFFFF0000),
 // both exact in float32, so a product of two bf16 values is exact too. Each lane keeps two
 // float32 sums, of its even-k and of its odd-k products, each in k order through fused
@@ -254,6 +255,19 @@ constexpr int kVecRows = 2, kPassCols = 16;  // 8 accumulators of 16 registers
 constexpr int kVecRows = 2, kPassCols = 16;
 #endif
 constexpr int kPassVecs = kPassCols / kLanes;
+// float32 weights need no widening, so an AVX-512 pass holds 6 rows (24 accumulators; the
+// compiler takes each weight vector as the multiply-add's memory operand). Against 4 rows on a
+// Zen 4 core pair (warm products of SmolLM2's shapes, best of 200 calls, builds alternating
+// three times): 64 rows 144-164 -> 189-202 GFLOP/s (one call 105), 32 rows 133-158 -> 189-195,
+// 8 rows 134-148 -> 165-178. Holding the weights in registers (an empty asm) took 6 rows to
+// 166-178 only.
+#if defined(__AVX512F__)
+constexpr int kF32Rows = 6;
+#else
+constexpr int kF32Rows = kVecRows;
+#endif
+template <typename T>
+constexpr int kRowsOf = std::is_same_v<T, float> ? kF32Rows : kVecRows;
 constexpr int64_t kVecUnitRows = 64;
 
 typedef float vf __attribute__((vector_size(kLanes * 4)));
@@ -442,16 +456,14 @@ void dot_rows(const uint16_t* panel, const uint32_t* x, int64_t ldx, int64_t kb0
 bool bf16_dot() { return false; }
 #endif
 
-// fn(std::integral_constant<int, R>) for a row block of n rows (1 .. kVecRows): the kernels'
-// row count is a template parameter.
-template <typename Fn>
+// fn(std::integral_constant<int, R>) for a row block of n rows (1 .. Max, n >= Max: Max): the
+// kernels' row count is a template parameter.
+template <int Max = kVecRows, typename Fn>
 void with_rows(int64_t n, Fn&& fn) {
-  switch (n) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    default: fn(std::integral_constant<int, kVecRows>{}); break;
+  if constexpr (Max > 1) {
+    if (n < Max) return with_rows<Max - 1>(n, fn);
   }
+  fn(std::integral_constant<int, Max>{});
 }
 
 // y = x @ W through the vector kernel: units of (up to kVecUnitRows rows, one panel), units
@@ -460,6 +472,7 @@ void with_rows(int64_t n, Fn&& fn) {
 template <typename T>
 void vec_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const T* xp, const T* wp,
               const Output& out) {
+  constexpr int kRows = kRowsOf<T>;
   const int64_t groups = n / 32, panel_elems = k * 32, kbs = k / 32;
   const int64_t row_units = (m + kVecUnitRows - 1) / kVecUnitRows;
   const bool dot = !std::is_same_v<T, float> && bf16_dot();
@@ -496,21 +509,21 @@ void vec_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const T* x
         x = widened.data();
       }
       std::fill(acc, acc + rows * 64, 0.0f);
-      const int64_t step = rows <= kVecRows ? kbs : step_blocks(kbs);  // one row block: one pass
-      const int64_t row_blocks = (rows + kVecRows - 1) / kVecRows;
+      const int64_t step = rows <= kRows ? kbs : step_blocks(kbs);  // one row block: one pass
+      const int64_t row_blocks = (rows + kRows - 1) / kRows;
       const bool share_next = step == kbs && row_blocks > 1 && u + 1 < end && (u + 1) / groups == unit;
       for (int64_t kb0 = 0; kb0 < kbs; kb0 += step) {
         const int64_t kb1 = std::min(kbs, kb0 + step);
-        for (int64_t i0 = 0; i0 < rows; i0 += kVecRows) {
+        for (int64_t i0 = 0; i0 < rows; i0 += kRows) {
           float* a = acc + i0 * 64;
           Ahead ahead;
           ahead.stream = i0 == 0;  // the row block that reads the panel from memory
           if (share_next) {  // whole passes: each takes its share of the next panel
             ahead.next = reinterpret_cast<const char*>(wp + ((u + 1) % groups) * panel_elems);
-            ahead.t0 = i0 / kVecRows * 16 * kbs;
+            ahead.t0 = i0 / kRows * 16 * kbs;
             ahead.step256 = 64 * static_cast<int64_t>(sizeof(T)) * 256 / row_blocks;
           }
-          with_rows(std::min<int64_t>(kVecRows, rows - i0), [&](auto r) {
+          with_rows<kRows>(std::min<int64_t>(kRows, rows - i0), [&](auto r) {
             constexpr int R = decltype(r)::value;
 #ifdef RESEARCH_BF16_DOT
             if constexpr (!std::is_same_v<T, float>) {
