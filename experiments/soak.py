@@ -60,7 +60,7 @@ def executables(llm: LLM) -> tuple[list[Any], list[Any]]:
     compiler = getattr(llm.engine.executor, "compiler", None)
     if compiler is None:
         return [], []
-    return list(compiler.compiled.values()), [w for w in compiler.writes.values() if w]
+    return list(compiler.compiled.values()), [w for w in compiler.writes.values() if w is not None]
 
 
 def objects_per_compiled_shape(llm: LLM) -> int:

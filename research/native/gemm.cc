@@ -258,9 +258,9 @@ constexpr int kPassVecs = kPassCols / kLanes;
 // float32 weights need no widening, so an AVX-512 pass holds 6 rows (24 accumulators; the
 // compiler takes each weight vector as the multiply-add's memory operand). Against 4 rows on a
 // Zen 4 core pair (warm products of SmolLM2's shapes, best of 200 calls, builds alternating
-// three times): 64 rows 144-164 -> 189-202 GFLOP/s (one call 105), 32 rows 133-158 -> 189-195,
-// 8 rows 134-148 -> 165-178. Holding the weights in registers (an empty asm) took 6 rows to
-// 166-178 only.
+// three times): 64 rows 144-164 -> 189-202 GFLOP/s (one run 105 at 576 x 576), 32 rows 133-158
+// -> 189-195, 8 rows 134-148 -> 165-178. Holding the weights in registers (an empty asm) took 6
+// rows to 166-178 only.
 #if defined(__AVX512F__)
 constexpr int kF32Rows = 6;
 #else
