@@ -458,7 +458,7 @@ bool bf16_dot() { return false; }
 
 // fn(std::integral_constant<int, R>) for a row block of n rows (1 .. Max, n >= Max: Max): the
 // kernels' row count is a template parameter.
-template <int Max = kVecRows, typename Fn>
+template <int Max, typename Fn>
 void with_rows(int64_t n, Fn&& fn) {
   if constexpr (Max > 1) {
     if (n < Max) return with_rows<Max - 1>(n, fn);
