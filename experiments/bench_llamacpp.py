@@ -344,7 +344,7 @@ class Ours:
         is_weight = lambda x: isinstance(x, (PackedWeight, BlockWeight))  # noqa: E731
         leaves = jax.tree.leaves(params, is_leaf=is_weight)
         lookup = params["embed"] if "lm_head" in params else None
-        read = sum(x.packed.nbytes if is_weight(x) else x.nbytes for x in leaves)
+        read = sum(x.nbytes for x in leaves)  # a stacked weight: its own layer's share
         weights = sum(x.shape[0] * x.shape[1] if is_weight(x) else x.size for x in leaves)
         if lookup is not None:
             read, weights = read - lookup.nbytes, weights - lookup.size

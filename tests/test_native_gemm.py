@@ -150,7 +150,9 @@ def emulated_amx(tmp_path_factory):
             target, jax.ShapeDtypeStruct((x.shape[0], w.out_features), out_dtype)
         )
         epilogue = np.int32(1 if w.epilogue == "swiglu" else 0)
-        fn = jax.jit(lambda a, b: call(a, b, epilogue=epilogue, kernel=np.int32(2)))
+        fn = jax.jit(
+            lambda a, b: call(a, b, epilogue=epilogue, kernel=np.int32(2), layer=np.int32(0))
+        )
         return np.asarray(fn(x, w.packed))
 
     return run
@@ -507,6 +509,50 @@ def test_pack_params_fuses_and_packs_projections_only():
     assert "lm_head" not in gemm.pack_params(params, tie_word_embeddings=False)
 
 
+def random_q4_1(n: int, k: int, rng) -> gemm.BlockWeight:
+    """A Q4_1 weight of random blocks: float16 scales and minima, random 4-bit codes."""
+    kbs = k // 32
+    d = rng.uniform(0.01, 0.1, (n, kbs)).astype(np.float16).view(np.uint8).reshape(n, kbs, 2)
+    m = rng.uniform(-0.5, 0.5, (n, kbs)).astype(np.float16).view(np.uint8).reshape(n, kbs, 2)
+    codes = rng.integers(0, 256, (n, kbs, 16), dtype=np.uint8)
+    return gemm.pack_blocks(np.concatenate([d, m, codes], -1).reshape(n, kbs * 20), "q4_1")
+
+
+@built
+@pytest.mark.parametrize("kind", ["bfloat16", "float32", "q4_1"])
+def test_a_stacked_layer_weight_multiplies_as_its_own_layer(kind):
+    """``stack_layers`` puts every layer's weight of one form into one buffer [L, ...], each
+    layer's weight a view of it: each view's product is its own weight's, bit for bit (the
+    kernel reads the layer's panels, not another's), as are ``unpack`` and ``nbytes``; a key
+    whose layers differ in form stays per layer; a layer past the stack is an error."""
+    rng = np.random.default_rng(3)
+    k, n, layers = 64, 96, 3
+
+    def weight(cols):
+        if kind == "q4_1":
+            return random_q4_1(cols, k, rng)
+        dtype = jnp.float32 if kind == "float32" else jnp.bfloat16
+        return gemm.pack(jnp.asarray(rng.standard_normal((k, cols)), dtype))
+
+    ws = [weight(n) for _ in range(layers)]
+    odd = [weight(n if i != 1 else 32) for i in range(layers)]
+    params = {"layers": [{"w": ws[i], "odd": odd[i]} for i in range(layers)]}
+    stacked = gemm.stack_layers(params)["layers"]
+    mul = jax.jit(gemm.block_matmul if kind == "q4_1" else gemm.matmul)
+    unpack = gemm.unpack_blocks if kind == "q4_1" else gemm.unpack
+    x = jnp.asarray(rng.standard_normal((5, k)), jnp.float32)
+    for i, lp in enumerate(stacked):
+        view = lp["w"]
+        assert view.layer == i and view.packed is stacked[0]["w"].packed
+        assert view.packed.shape == (layers, *ws[i].packed.shape)
+        np.testing.assert_array_equal(np.asarray(mul(x, view)), np.asarray(mul(x, ws[i])))
+        np.testing.assert_array_equal(np.asarray(unpack(view)), np.asarray(unpack(ws[i])))
+        assert view.nbytes == ws[i].nbytes == ws[i].packed.nbytes
+        assert lp["odd"] is odd[i]
+    with pytest.raises(Exception, match="layer"):
+        jax.block_until_ready(mul(x, dataclasses.replace(stacked[0]["w"], layer=layers)))
+
+
 @built
 def test_smollm2_bf16_through_the_kernel_matches_xla():
     """SmolLM2 in bfloat16 with packed weights: logits agree with XLA's bf16 products to bf16
@@ -521,6 +567,9 @@ def test_smollm2_bf16_through_the_kernel_matches_xla():
         assert ex.gemm_backend == backend
         if backend == "native":
             assert isinstance(ex.params["layers"][0]["wqkv"], gemm.PackedWeight)
+            # Each step passes 7 buffers, not 183: the embedding, the packed head, one stack
+            # of every norm (all [576] bfloat16) and one of each of the 4 layer weights.
+            assert len(jax.tree.leaves(ex._call_params)) == 7
             hidden = jnp.asarray(np.random.default_rng(0).standard_normal((5, 576)), jnp.bfloat16)
             packed = compute_logits(ex.params, ex.cfg, hidden)
             plain = compute_logits(llm.params, ex.cfg, hidden)

@@ -24,6 +24,7 @@ import numpy as np
 from research import native
 from research.config import CacheConfig, ModelConfig, SchedulerConfig
 from research.engine.attention import choose_attention_backend, writes_in_step
+from research.engine.call_params import compact
 from research.engine.compile_manager import (  # noqa: F401 (re-exported)
     CompileManager,
     Shape,
@@ -149,6 +150,8 @@ class ModelExecutor:
             params = native_gemm.pack_params(params, cfg.tie_word_embeddings, awq_blocks=awq)
         if block_activations is not None:
             params = native_gemm.with_activations(params, block_activations)
+        if self.gemm_backend == "native" and not sharded:
+            params = native_gemm.stack_layers(params)
         self.attention_choice = choice
         self.backend = choice.name
         self.cfg = cfg
@@ -191,6 +194,17 @@ class ModelExecutor:
         )
         self.step_calls = 0  # calls of the jitted step (one forward pass each)
         self._new_batch(1)
+
+    @property
+    def params(self) -> Params:
+        """The model's parameters (packed for the native kernels where they serve)."""
+        return self._params
+
+    @params.setter
+    def params(self, params: Params) -> None:
+        self._params = params
+        # What each step's call passes: each distinct buffer once (``call_params``).
+        self._call_params = compact(params)
 
     def _new_batch(self, num_scored: int) -> None:
         self.compiler.num_scored = num_scored
@@ -253,7 +267,7 @@ class ModelExecutor:
     def _lower(self, shape: Shape) -> tuple[Any, Any]:
         inputs = self.batch.padding(shape).inputs
         write = None if self.writes_in_step else self._write_kv
-        return lower_step(self._step, write, (self.params, self.pool, inputs), self._static())
+        return lower_step(self._step, write, (self._call_params, self.pool, inputs), self._static())
 
     # ------------------------------------------------------------------ host
 
@@ -295,9 +309,9 @@ class ModelExecutor:
         self.step_calls += 1
         t0 = time.perf_counter()
         if compiled is not None:
-            out = compiled(self.params, self.pool, step.inputs)
+            out = compiled(self._call_params, self.pool, step.inputs)
         else:
-            out = self._step(self.params, self.pool, step.inputs, **self._static())
+            out = self._step(self._call_params, self.pool, step.inputs, **self._static())
         if self.writes_in_step:
             self.pool = out["pool"]
             return step, out, t0

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from research.engine.attention import AttentionMetadata, PagedKVCache
+from research.engine.call_params import CallParams
 from research.engine.kv_cache import KVPool, copy_blocks, fill_blocks, write_kv
 from research.engine.request import MAX_LOGPROBS
 from research.engine.sampler import SamplingTensors, greedy, sample, token_logprobs
@@ -97,7 +98,7 @@ def _forward(params: Params, cfg: Any, inputs: StepInputs, cache: PagedKVCache, 
 
 
 def _model_step(
-    params: Params,
+    params: Params | CallParams,
     pool: KVPool,
     inputs: StepInputs,
     *,
@@ -118,6 +119,8 @@ def _model_step(
       each packed token's next prompt token (``prompt_*``, [N] ...), each branch computed only
       when a row (or token) of the step asks for it, else zeros."""
     STEP_TRACES[0] += 1  # runs only while tracing
+    if isinstance(params, CallParams):
+        params = params.tree()
     cache = PagedKVCache(pool, inputs.meta, backend=backend, plan=plan, writes=writes)
     hidden, cache = _forward(params, cfg, inputs, cache, backend)
     r, s = inputs.logits_indices.shape

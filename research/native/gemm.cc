@@ -1108,13 +1108,41 @@ bool check_output(ffi::DataType type, const char* name, ffi::Error* err) {
   return true;
 }
 
-ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                    int32_t epilogue, int32_t kernel, ffi::Result<ffi::AnyBuffer> y) {
-  auto xd = x.dimensions();
+// A weight operand: one matrix's panels (`rank` dimensions), or a stack of every decoder
+// layer's ([L, ...], read at `layer`): a step passes each stack once rather than one buffer
+// per layer (each argument of a jitted call costs the dispatch a few microseconds).
+struct WeightView {
+  const void* data = nullptr;
+  int64_t dims[8] = {};
+};
+
+template <class Buffer>
+bool weight_view(const Buffer& w, size_t rank, int32_t layer, int64_t elem_bytes, WeightView* v) {
   auto wd = w.dimensions();
+  if (wd.size() != rank && wd.size() != rank + 1) return false;
+  const size_t lead = wd.size() - rank;  // 1 for a stack
+  if (lead == 0 ? layer != 0 : (layer < 0 || layer >= wd[0])) return false;
+  int64_t bytes = elem_bytes;
+  for (size_t i = 0; i < rank; ++i) {
+    v->dims[i] = wd[lead + i];
+    bytes *= wd[lead + i];
+  }
+  v->data = static_cast<const char*>(w.untyped_data()) + (lead ? layer * bytes : 0);
+  return true;
+}
+
+ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                    int32_t epilogue, int32_t kernel, int32_t layer, ffi::Result<ffi::AnyBuffer> y) {
+  auto xd = x.dimensions();
+  WeightView wv;
+  if (!weight_view(w, 5, layer, 2, &wv)) {
+    return ffi::Error::InvalidArgument("gemm_bf16: w must be [N/32, K/32, 16, 2, 32], or a stack "
+                                       "of them with 0 <= layer < its length");
+  }
+  const int64_t* wd = wv.dims;
   auto yd = y->dimensions();
   const bool swiglu = epilogue == 1;
-  if (xd.size() != 2 || wd.size() != 5 || yd.size() != 2 || wd[2] != 16 || wd[3] != 2 ||
+  if (xd.size() != 2 || yd.size() != 2 || wd[2] != 16 || wd[3] != 2 ||
       wd[4] != 32 || xd[1] != wd[1] * 32 || yd[0] != xd[0] ||
       yd[1] != wd[0] * (swiglu ? 16 : 32) || epilogue < 0 || epilogue > 1) {
     return ffi::Error::InvalidArgument("gemm_bf16: inconsistent shapes");
@@ -1130,7 +1158,7 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
   if (xd[0] > 0) {
     const Output out{y->untyped_data(), y->element_type() == ffi::DataType::BF16, swiglu, yd[1]};
     const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
-    const auto* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
+    const auto* wp = static_cast<const uint16_t*>(wv.data);
     if (kernel == kAmx || (kernel == kAuto && amx_ready())) {
       gemm(pool, xd[0], xd[1], wd[0] * 32, xp, wp, out);
     } else {
@@ -1142,12 +1170,17 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
 
 // x [M, K] float32 @ W packed as [N/32, K, 32] float32 -> y [M, N] (or the swiglu half).
 ffi::Error GemmF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                       int32_t epilogue, ffi::Result<ffi::AnyBuffer> y) {
+                       int32_t epilogue, int32_t layer, ffi::Result<ffi::AnyBuffer> y) {
   auto xd = x.dimensions();
-  auto wd = w.dimensions();
+  WeightView wv;
+  if (!weight_view(w, 3, layer, 4, &wv)) {
+    return ffi::Error::InvalidArgument("gemm_f32: w must be [N/32, K, 32], or a stack of them "
+                                       "with 0 <= layer < its length");
+  }
+  const int64_t* wd = wv.dims;
   auto yd = y->dimensions();
   const bool swiglu = epilogue == 1;
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != 32 || xd[1] != wd[1] ||
+  if (xd.size() != 2 || yd.size() != 2 || wd[2] != 32 || xd[1] != wd[1] ||
       yd[0] != xd[0] || yd[1] != wd[0] * (swiglu ? 16 : 32) || epilogue < 0 || epilogue > 1) {
     return ffi::Error::InvalidArgument("gemm_f32: inconsistent shapes");
   }
@@ -1155,7 +1188,8 @@ ffi::Error GemmF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   if (!check_output(y->element_type(), "gemm_f32", &err)) return err;
   if (xd[0] > 0) {
     const Output out{y->untyped_data(), y->element_type() == ffi::DataType::BF16, swiglu, yd[1]};
-    vec_gemm<float>(pool, xd[0], xd[1], wd[0] * 32, x.typed_data(), w.typed_data(), out);
+    vec_gemm<float>(pool, xd[0], xd[1], wd[0] * 32, x.typed_data(),
+                    static_cast<const float*>(wv.data), out);
   }
   return ffi::Error::Success();
 }
@@ -1163,10 +1197,15 @@ ffi::Error GemmF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 // x [M, K] float32 or bfloat16 @ W as blocks in panels [N/32, K/32, bytes] (uint8), format
 // 0: Q4_1, 1: Q8_0, 2: AWQ -> y [M, N] (or the swiglu half) float32 or bfloat16.
 ffi::Error GemmBlocksImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w,
-                          int32_t format, int32_t epilogue, int32_t activations,
+                          int32_t format, int32_t epilogue, int32_t activations, int32_t layer,
                           ffi::Result<ffi::AnyBuffer> y) {
   auto xd = x.dimensions();
-  auto wd = w.dimensions();
+  WeightView wv;
+  if (!weight_view(w, 3, layer, 1, &wv)) {
+    return ffi::Error::InvalidArgument("gemm_blocks: w must be [N/32, K/32, bytes], or a stack "
+                                       "of them with 0 <= layer < its length");
+  }
+  const int64_t* wd = wv.dims;
   auto yd = y->dimensions();
   const bool swiglu = epilogue == 1;
   const int64_t bytes = format == kFmtQ80 ? kQ80Bytes : kQ41Bytes;
@@ -1176,7 +1215,7 @@ ffi::Error GemmBlocksImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ff
         "gemm_blocks: format must be 0, 1 or 2, epilogue 0 or 1, activations 0 (float) or 1 "
         "(int8)");
   }
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != bytes ||
+  if (xd.size() != 2 || yd.size() != 2 || wd[2] != bytes ||
       xd[1] != wd[1] * 32 || yd[0] != xd[0] || yd[1] != wd[0] * (swiglu ? 16 : 32)) {
     return ffi::Error::InvalidArgument("gemm_blocks: inconsistent shapes");
   }
@@ -1189,7 +1228,7 @@ ffi::Error GemmBlocksImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ff
   if (xd[0] > 0) {
     const Output out{y->untyped_data(), y->element_type() == ffi::DataType::BF16, swiglu, yd[1]};
     const bool x_bf16 = xt == ffi::DataType::BF16;
-    const auto* wp = reinterpret_cast<const uint8_t*>(w.untyped_data());
+    const auto* wp = static_cast<const uint8_t*>(wv.data);
     const int64_t m = xd[0], k = xd[1], n = wd[0] * 32;
     const void* xp = x.untyped_data();
     const bool int8 = activations == 1;
@@ -1365,6 +1404,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmBf16, GemmImpl,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Attr<int32_t>("epilogue")
                                   .Attr<int32_t>("kernel")
+                                  .Attr<int32_t>("layer")
                                   .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmF32, GemmF32Impl,
@@ -1373,6 +1413,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmF32, GemmF32Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("epilogue")
+                                  .Attr<int32_t>("layer")
                                   .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmBlocks, GemmBlocksImpl,
@@ -1383,6 +1424,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmBlocks, GemmBlocksImpl,
                                   .Attr<int32_t>("format")
                                   .Attr<int32_t>("epilogue")
                                   .Attr<int32_t>("activations")
+                                  .Attr<int32_t>("layer")
                                   .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Stream, StreamImpl,

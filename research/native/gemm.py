@@ -45,9 +45,28 @@ DTYPES = (jnp.bfloat16, jnp.float32)  # what the packed path multiplies
 KERNELS = {"auto": 0, "vector": 1, "amx": 2}
 
 
+class _Panels:
+    """What a packed weight (``PackedWeight``, ``BlockWeight``) answers whether or not its
+    ``packed`` stacks every layer's (``layer`` set)."""
+
+    packed: jax.Array
+    layer: int | None
+
+    @property
+    def panels(self) -> jax.Array:
+        """This weight's own panels (one layer of a stack, sliced)."""
+        return self.packed if self.layer is None else self.packed[self.layer]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this weight's panels (one layer's share of a stack)."""
+        stack = 1 if self.layer is None else self.packed.shape[0]
+        return self.packed.nbytes // stack
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class PackedWeight:
+class PackedWeight(_Panels):
     """A weight W [K, N], each 32-column panel contiguous. bfloat16: [N/32, K/32, 16, 2, 32],
     packed[g, kb, r, t, 2c + j] = W[32 kb + 2 r + j, 32 g + 16 t + c] (a k pair per 32-bit
     word; a k pair's 32 columns are 128 consecutive bytes, and its two 16-column halves are the
@@ -62,6 +81,9 @@ class PackedWeight:
     # "int8": each row's 32-k block is quantized to int8 first and multiplies the codes as
     # integers (llama.cpp's arithmetic for these formats: ``gemm.cc``).
     activations: str = dataclasses.field(default="float", metadata=dict(static=True))
+    # Where ``packed`` stacks every decoder layer's weight of this kind ([L, ...]: one buffer
+    # for a step's call to pass instead of L, ``stack_layers``), the layer this one reads.
+    layer: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def out_features(self) -> int:
@@ -121,8 +143,8 @@ def unpack(w: PackedWeight) -> jax.Array:
     back with its panels' columns interleaved as packed)."""
     k, n = w.shape
     if w.packed.dtype == jnp.float32:
-        return w.packed.transpose(1, 0, 2).reshape(k, n)
-    six = w.packed.reshape(n // 32, k // 32, 16, 2, 16, 2)  # [g, kb, r, t, c, j]
+        return w.panels.transpose(1, 0, 2).reshape(k, n)
+    six = w.panels.reshape(n // 32, k // 32, 16, 2, 16, 2)  # [g, kb, r, t, c, j]
     return six.transpose(1, 2, 5, 0, 3, 4).reshape(k, n)
 
 
@@ -244,6 +266,36 @@ def pack_params(params: dict, tie_word_embeddings: bool, awq_blocks: bool = True
     return out
 
 
+def stack_layers(params: dict) -> dict:
+    """``params`` with each packed layer weight (``PackedWeight``, ``BlockWeight``) that every
+    decoder layer holds in the same form (shape, dtype, epilogue, format) stacked into one
+    buffer [L, ...], each layer's weight a view of it (``layer``): the same panels and
+    products, and a jitted step takes one buffer per kind of weight instead of one per layer
+    (``research.engine.call_params``). The stacks are new arrays: until the caller drops the
+    per-layer ones, both are held."""
+    layers = params.get("layers")
+    if not isinstance(layers, list) or len(layers) < 2:
+        return params
+    out = [dict(lp) for lp in layers]
+    for key, first in layers[0].items():
+        if not isinstance(first, (PackedWeight, BlockWeight)) or first.layer is not None:
+            continue
+        ws = [lp.get(key) for lp in layers]
+        form = dataclasses.replace(first, packed=None)
+        if not all(
+            type(w) is type(first)
+            and dataclasses.replace(w, packed=None) == form
+            and w.packed.shape == first.packed.shape
+            and w.packed.dtype == first.packed.dtype
+            for w in ws
+        ):
+            continue
+        stack = jnp.stack([w.packed for w in ws])
+        for i, lp in enumerate(out):
+            lp[key] = dataclasses.replace(ws[i], packed=stack, layer=i)
+    return dict(params, layers=out)
+
+
 def awq_tiles(w: Any) -> bool:
     """Whether ``w`` is a 2-D AWQ int4 ``QTensor`` the block kernel reads as stored: in and out
     features multiples of 32, groups a multiple of 32 input channels."""
@@ -321,14 +373,16 @@ def matmul(
     x2 = x.reshape(-1, k).astype(w.packed.dtype)
     out = jax.ShapeDtypeStruct((x2.shape[0], w.out_features), jnp.dtype(out_dtype))
     epilogue = np.int32(1 if w.epilogue == "swiglu" else 0)
+    layer = np.int32(0 if w.layer is None else w.layer)
     if w.packed.dtype == jnp.float32:
-        y = jax.ffi.ffi_call(native._GEMM_F32_TARGET, out)(x2, w.packed, epilogue=epilogue)
+        call = jax.ffi.ffi_call(native._GEMM_F32_TARGET, out)
+        y = call(x2, w.packed, epilogue=epilogue, layer=layer)
     else:
         if kernel is not None and kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
         code = np.int32(KERNELS[kernel or kernel_name()])
         call = jax.ffi.ffi_call(native._GEMM_TARGET, out)
-        y = call(x2, w.packed, epilogue=epilogue, kernel=code)
+        y = call(x2, w.packed, epilogue=epilogue, kernel=code, layer=layer)
     return y.reshape(*lead, w.out_features)
 
 
@@ -344,7 +398,7 @@ BLOCK_ACTIVATIONS = ("float", "int8")
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class BlockWeight:
+class BlockWeight(_Panels):
     """A weight W [K, N] kept as stored (GGUF's Q4_1: w = d q + m, q 4-bit; Q8_0: w = d q, q
     int8; AWQ: w = d (q - z), q 4-bit; float16 d, m and z per 32 k of one column), re-tiled
     into 32-column panels: packed [N/32, K/32, panel bytes] uint8 (``gemm.cc`` gives the tile
@@ -358,6 +412,9 @@ class BlockWeight:
     # "int8": each row's 32-k block is quantized to int8 first and multiplies the codes as
     # integers (llama.cpp's arithmetic for these formats: ``gemm.cc``).
     activations: str = dataclasses.field(default="float", metadata=dict(static=True))
+    # Where ``packed`` stacks every decoder layer's weight of this kind ([L, ...]: one buffer
+    # for a step's call to pass instead of L, ``stack_layers``), the layer this one reads.
+    layer: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def out_features(self) -> int:
@@ -427,7 +484,7 @@ def unpack_blocks(w: BlockWeight) -> np.ndarray:
     """BlockWeight -> W [K, N] float32, each weight d q + m (Q4_1), d q (Q8_0) or d (q - z)
     (AWQ) in float32."""
     k, n = w.shape
-    p = np.asarray(w.packed)
+    p = np.asarray(w.panels)
     g, kbs = p.shape[0], p.shape[1]
     d = p[..., 0:64].copy().view(np.float16).astype(np.float32)  # [g, kb, c]
     if w.fmt != "q8_0":
@@ -464,6 +521,7 @@ def block_matmul(x: jax.Array, w: BlockWeight, out_dtype: Any = jnp.float32) -> 
         format=np.int32(BLOCK_FORMATS[w.fmt][2]),
         epilogue=np.int32(1 if w.epilogue == "swiglu" else 0),
         activations=np.int32(BLOCK_ACTIVATIONS.index(w.activations)),
+        layer=np.int32(0 if w.layer is None else w.layer),
     )
     return y.reshape(*lead, w.out_features)
 
