@@ -1132,7 +1132,8 @@ bool weight_view(const Buffer& w, size_t rank, int32_t layer, int64_t elem_bytes
 }
 
 ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                    int32_t epilogue, int32_t kernel, int32_t layer, ffi::Result<ffi::AnyBuffer> y) {
+                    int32_t epilogue, int32_t kernel, int32_t layer,
+                    ffi::Result<ffi::AnyBuffer> y) {
   auto xd = x.dimensions();
   WeightView wv;
   if (!weight_view(w, 5, layer, 2, &wv)) {

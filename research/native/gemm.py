@@ -17,6 +17,9 @@ weights into ``PackedWeight`` leaves, each 32 output columns one contiguous pane
 - 4-bit and 8-bit weights as stored (``BlockWeight``): GGUF's Q4_1 and Q8_0 blocks
   (``quantization="gguf"``) and AWQ int4 (``awq_layer``), widened in registers.
 
+``stack_layers`` then keeps every layer's weight of one kind in one buffer [L, ...] (each
+layer's weight a view the kernels offset into), so that a step passes it once.
+
 ``$RESEARCH_GEMM_KERNEL=vector`` makes bfloat16 products skip AMX (what a CPU without it runs).
 Everything else (norms, RoPE, attention, sampling) stays in XLA. Where the library did not
 build, the model is in another dtype, or a weight's shape does not tile (in and out features
