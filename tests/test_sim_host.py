@@ -23,9 +23,12 @@ from research.perf.host_model import (
 SIZES = dict(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=512)
 
 
-def _model(bw=12e9, flops=40e9, host=2e-3, attention=0.3, read=0.25) -> HostCostModel:
+def _model(
+    bw=12e9, flops=40e9, host=2e-3, attention=0.3, read=0.25, combine="max"
+) -> HostCostModel:
     params = CostParams(1.0, host, attention_efficiency=attention, attention_read_efficiency=read)
-    return HostCostModel("smollm2-135m", None, host_hardware(bw, flops), params=params, **SIZES)
+    hw = host_hardware(bw, flops)
+    return HostCostModel("smollm2-135m", None, hw, params=params, combine=combine, **SIZES)
 
 
 def test_buckets_match_the_executor():
@@ -81,6 +84,24 @@ def test_fit_recovers_a_machine_from_single_stream_numbers():
     assert fit.params.attention_read_efficiency == pytest.approx(0.25, rel=0.05)
     batch = StepShape.decode(16, 200)
     assert fit.step_time(batch) == pytest.approx(truth.step_time(batch), rel=0.02)
+
+
+def test_the_fit_prices_with_the_kernels_combine_law():
+    """Kernels that read and multiply on the same cores (``NATIVE_GEMM_COMBINE``: the
+    projections' and head's reads and arithmetic add): a fit told so finds the machine again
+    and predicts 16 rows; fitted with the default law (the larger of the two) on the same
+    single streams, it prices 16 rows well short of them."""
+    from experiments.validate_host import NATIVE_GEMM_COMBINE
+
+    truth = _model(flops=60e9, combine=NATIVE_GEMM_COMBINE)
+    measured = _single_stream(truth)
+    fit = fit_host("smollm2-135m", measured, combine=NATIVE_GEMM_COMBINE, **SIZES)
+    assert fit.combine == NATIVE_GEMM_COMBINE
+    assert fit.hw.achievable_bandwidth == pytest.approx(12e9, rel=0.02)
+    batch = StepShape.decode(16, 200)
+    assert fit.step_time(batch) == pytest.approx(truth.step_time(batch), rel=0.02)
+    overlapped = fit_host("smollm2-135m", measured, **SIZES)
+    assert overlapped.step_time(batch) < 0.9 * truth.step_time(batch)
 
 
 def test_server_time_per_stream_is_taken_out_of_the_kernels_and_charged_per_sequence():

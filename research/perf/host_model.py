@@ -195,6 +195,7 @@ def fit_host(
     dtype: str = "float32",
     peaks: dict[str, float] | None = None,
     attention_backend: str = "xla",
+    combine: str | dict[str, str] = "max",
 ) -> HostCostModel:
     """Fit read bandwidth, matmul FLOP/s and attention efficiency (and the per-call host time
     when not measured) on ``measured`` by least squares on the logs of every number.
@@ -211,6 +212,7 @@ def fit_host(
         block_size=block_size,
         dtype=dtype,
         attention_backend=attention_backend,
+        combine=combine,
     )
     host = measured.host_s_per_step
     # Per sequence and step: the server's work on the engine's core (in every fitted step),
