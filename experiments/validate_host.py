@@ -200,7 +200,11 @@ def validate_host(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
         if run.experiment.refit_per_point and i > 0:
             measured, model, sim = fitted(i)
         fits.append(describe_fit(measured, model))
-        predicted = run_point(run, sim, c, progress=False) | {"executor": "host-model"}
+        predicted = run_point(run, sim, c, progress=False) | {
+            "executor": "host-model",
+            "host_fit": fits[-1],
+            "combine": combine_law(model.combine),
+        }
         t = time.perf_counter()
         got = run_point(run, real, c, progress=False)
         for point in (got, predicted):
@@ -241,13 +245,23 @@ def describe_fit(measured: Any, model: Any) -> str:
             f"; per token and stream, server {measured.server_s_per_token * 1e3:.2f} ms and "
             f"router + client {(measured.shared_s_per_token or 0.0) * 1e3:.2f} ms of CPU, measured"
         )
+    law = combine_law(model.combine)
     return (
         f"fitted on single-stream runs ({fitted_on}; host {p.per_step_overhead_s * 1e3:.2f} ms "
         f"per step, {host}{outside}) -> {hw.achievable_bandwidth / 1e9:.1f} GB/s, "
         f"{hw.tensor_flops['fp32'] / 1e9:.1f} GFLOP/s, attention FLOPs at "
         f"{p.attention_efficiency:.2f} of that, attention reads at "
-        f"{p.attention_read_efficiency * hw.achievable_bandwidth / 1e9:.1f} GB/s"
+        f"{p.attention_read_efficiency * hw.achievable_bandwidth / 1e9:.1f} GB/s; reads and "
+        f"arithmetic combined by {law}"
     )
+
+
+def combine_law(combine: str | dict[str, str]) -> str:
+    """A cost model's ``combine`` as a results row gives it: "max", "sum", or per operator
+    ("dense_gemm=sum,lm_head=sum"; the others "max")."""
+    if isinstance(combine, str):
+        return combine
+    return ",".join(f"{op}={mode}" for op, mode in sorted(combine.items()))
 
 
 def format_validation(rows: list[dict[str, Any]]) -> str:

@@ -91,7 +91,7 @@ def test_the_fit_prices_with_the_kernels_combine_law():
     projections' and head's reads and arithmetic add): a fit told so finds the machine again
     and predicts 16 rows; fitted with the default law (the larger of the two) on the same
     single streams, it prices 16 rows well short of them."""
-    from experiments.validate_host import NATIVE_GEMM_COMBINE
+    from experiments.validate_host import NATIVE_GEMM_COMBINE, combine_law, describe_fit
 
     truth = _model(flops=60e9, combine=NATIVE_GEMM_COMBINE)
     measured = _single_stream(truth)
@@ -102,6 +102,10 @@ def test_the_fit_prices_with_the_kernels_combine_law():
     assert fit.step_time(batch) == pytest.approx(truth.step_time(batch), rel=0.02)
     overlapped = fit_host("smollm2-135m", measured, **SIZES)
     assert overlapped.step_time(batch) < 0.9 * truth.step_time(batch)
+    # What a results row and the printed fit say of the law.
+    assert combine_law(fit.combine) == "dense_gemm=sum,lm_head=sum"
+    assert describe_fit(measured, fit).endswith("combined by dense_gemm=sum,lm_head=sum")
+    assert combine_law(overlapped.combine) == "max"
 
 
 def test_server_time_per_stream_is_taken_out_of_the_kernels_and_charged_per_sequence():
