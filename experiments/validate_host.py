@@ -31,12 +31,6 @@ from research.config import RunConfig
 log = logging.getLogger(__name__)
 
 METRICS = ("per_user_tok_s", "output_throughput", "median_ttft_ms")
-# The native GEMM kernels read each weight and multiply it on the same cores: a step's
-# projections and head take their reads' time plus their arithmetic's, not the larger of the two
-# (``research.perf.cost_model``'s ``combine``). On a 2-core Zen 4, one sequence's bf16 decode
-# step took 11.9 ms and four sequences' 16.3 ms, where the weights read the same and the fitted
-# arithmetic rate prices three more rows at ~3.7 ms.
-NATIVE_GEMM_COMBINE = {"dense_gemm": "sum", "lm_head": "sum"}
 
 
 class SimulatedBackend:
@@ -110,7 +104,7 @@ def fit_single_stream(run: RunConfig, real: Any, local: Any, round_: int = 0) ->
     max_model_len takes) and the host model fitted on them, sized as ``local``'s engine (one
     replica's)."""
     from research.perf.engines.serving import from_run
-    from research.perf.host_model import SingleStream, fit_host
+    from research.perf.host_model import NATIVE_GEMM_COMBINE, SingleStream, fit_host
 
     w, s = run.workload, from_run(run)
     engine = local.llm.engine

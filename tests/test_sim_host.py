@@ -91,7 +91,8 @@ def test_the_fit_prices_with_the_kernels_combine_law():
     projections' and head's reads and arithmetic add): a fit told so finds the machine again
     and predicts 16 rows; fitted with the default law (the larger of the two) on the same
     single streams, it prices 16 rows well short of them."""
-    from experiments.validate_host import NATIVE_GEMM_COMBINE, combine_law, describe_fit
+    from experiments.validate_host import combine_law, describe_fit
+    from research.perf.host_model import NATIVE_GEMM_COMBINE
 
     truth = _model(flops=60e9, combine=NATIVE_GEMM_COMBINE)
     measured = _single_stream(truth)

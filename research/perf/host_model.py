@@ -39,6 +39,13 @@ from research.config import CacheConfig, ModelConfig, SchedulerConfig
 from research.perf.cost_model import CostModel, CostParams, StepShape, StepWork
 from research.perf.hardware import GiB, Hardware
 
+# How the native GEMM kernels' operators price (``CostModel``'s ``combine``): they read each
+# weight and multiply it on the same cores, so a step's projections and head take their reads'
+# time plus their arithmetic's, not the larger of the two. On a 2-core Zen 4, one sequence's
+# bf16 decode step took 11.9 ms and four sequences' 16.3 ms, where the weights read the same
+# and the fitted arithmetic rate prices three more rows at ~3.7 ms.
+NATIVE_GEMM_COMBINE = {"dense_gemm": "sum", "lm_head": "sum"}
+
 
 def _bucket(n: int, minimum: int, maximum: int) -> int:
     """``research.engine.executor.bucket`` (duplicated arithmetic: that module imports JAX)."""
