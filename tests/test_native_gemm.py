@@ -6,6 +6,7 @@ refuses instruction sets the CPU lacks."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -463,8 +464,9 @@ def test_kernel_seconds_counts_each_librarys_kernels_once():
 
 def test_pack_params_fuses_and_packs_projections_only():
     """q/k/v fuse into wqkv (q, then k, then v) and a dense MLP's gate/up into w_gate_up (per
-    16-column panel: gate, then up) where they tile; wo and w_down are packed alone; norms, 3-D
-    expert stacks, the router and the embedding stay; a tied embedding gains a packed lm_head
+    16-column panel: gate, then up) where they tile; wo and w_down are packed alone; the norms
+    become ``NormWeight`` of the same array; 3-D expert stacks, the router and the embedding
+    stay; a tied embedding gains a packed lm_head
     (its transpose); a projection that does not tile stays unfused. Random weights and the
     exact inverse (``unpack``): a swapped q/k/v or gate/up order, or a wrong transpose, fails
     here, on any CPU (no AMX needed)."""
@@ -499,7 +501,8 @@ def test_pack_params_fuses_and_packs_projections_only():
     same(panels[:, :, 1].reshape(64, 96), dense["w_up"])
     same(gemm.unpack(d["wo"]), dense["wo"])
     same(gemm.unpack(d["w_down"]), dense["w_down"])
-    assert d["attn_norm"] is dense["attn_norm"]
+    assert isinstance(d["attn_norm"], gemm.NormWeight)
+    assert d["attn_norm"].weight is dense["attn_norm"] and d["attn_norm"].layer is None
     assert "wqkv" not in m and m["wk"] is moe["wk"]
     same(gemm.unpack(m["wq"]), moe["wq"])
     for key in ("w_gate", "w_up", "router"):
@@ -554,6 +557,99 @@ def test_a_stacked_layer_weight_multiplies_as_its_own_layer(kind):
 
 
 @built
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("shape", [(1, 576), (3, 5, 64), (300, 96), (2, 37)])
+def test_add_rms_norm_is_the_residual_add_and_the_models_norm(dtype, shape):
+    """The native add + RMSNorm against XLA's ``x + delta`` and ``rms_norm`` on random rows
+    (decode-sized, batched, many rows over the cores, a width with a tail past 16 lanes): the
+    sum bit for bit; the normed rows bit for bit in bfloat16 (every rounding where XLA rounds)
+    and to float32 rounding in float32 (the mean of squares summed in another order); without
+    delta the norm of x; each layer of a stack reads its own row; a row's result does not
+    depend on the others."""
+    from research.models import layers
+
+    rng = np.random.default_rng(11)
+    dt = jnp.dtype(dtype)
+    x = jnp.asarray(3 * rng.standard_normal(shape), dt)
+    delta = jnp.asarray(rng.standard_normal(shape), dt)
+    weights = jnp.asarray(rng.standard_normal((3, shape[-1])), dt)
+    eps = 1e-5
+    norm = jax.jit(gemm.add_rms_norm, static_argnums=3)
+    f = functools.partial(np.asarray, dtype=np.float32)
+
+    def close(got, want):
+        if dt == jnp.bfloat16:
+            np.testing.assert_array_equal(f(got), f(want))
+        else:
+            np.testing.assert_allclose(f(got), f(want), rtol=2e-6, atol=2e-6)
+
+    for layer in range(3):
+        w = gemm.NormWeight(weights, layer=layer)
+        s, normed = norm(x, delta, w, eps)
+        np.testing.assert_array_equal(f(s), f(x + delta))
+        close(normed, layers._rms_norm(x + delta, weights[layer], eps))
+        same, alone = norm(x, None, w, eps)
+        np.testing.assert_array_equal(f(same), f(x))
+        close(alone, layers._rms_norm(x, weights[layer], eps))
+    one = gemm.NormWeight(weights[1])
+    first = norm(x.reshape(-1, shape[-1])[:1], delta.reshape(-1, shape[-1])[:1], one, eps)[1]
+    np.testing.assert_array_equal(
+        f(first), f(norm(x, delta, one, eps)[1]).reshape(-1, shape[-1])[:1]
+    )
+    with pytest.raises(Exception, match="layer"):
+        jax.block_until_ready(norm(x, delta, gemm.NormWeight(weights, layer=3), eps))
+    with pytest.raises(ValueError, match="one dtype"):
+        norm(x, delta.astype(jnp.float16), one, eps)
+
+
+@built
+def test_stacked_norms_and_the_native_norm_keep_the_models_logits():
+    """A layer's norms stack like its projections (``stack_layers``: one [L, D] buffer, each
+    layer's ``NormWeight`` its row), and the model with the native add + RMSNorm gives the
+    logits of the same packed model with XLA's norms (random norm weights: a layer reading
+    another's row, or a lost residual add, fails). To bf16 rounding, not bit for bit: XLA fuses
+    each residual add into the norm after it and squares the sum before rounding it to bf16,
+    where the kernel, like the model's code and HF, rounds the sum first (the test above holds
+    the kernel to a sum XLA rounds)."""
+    from research.models.presets import get_preset
+    from research.models.transformer import (
+        ContiguousKVCache,
+        compute_logits,
+        forward,
+        init_params,
+    )
+
+    cfg = get_preset("tiny-llama")
+    bf = jnp.bfloat16
+    params = init_params(cfg, jax.random.key(0), bf)
+    rng = np.random.default_rng(5)
+    for lp in params["layers"]:
+        for key in gemm.NORM_KEYS:
+            lp[key] = jnp.asarray(rng.uniform(0.5, 1.5, lp[key].shape), bf)
+    packed = gemm.stack_layers(gemm.pack_params(params, cfg.tie_word_embeddings))
+    norms = [lp["attn_norm"] for lp in packed["layers"]]
+    assert [n.layer for n in norms] == list(range(cfg.num_layers))
+    assert all(n.weight is norms[0].weight for n in norms)
+    for i, lp in enumerate(params["layers"]):
+        np.testing.assert_array_equal(np.asarray(norms[i].own), np.asarray(lp["attn_norm"]))
+    plain = jax.tree.map(
+        lambda w: w.own if isinstance(w, gemm.NormWeight) else w,
+        packed,
+        is_leaf=lambda w: isinstance(w, gemm.NormWeight),
+    )
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 7)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(7, dtype=jnp.int32), (2, 7))
+
+    @jax.jit
+    def logits(p):
+        hidden, _ = forward(p, cfg, tokens, positions, ContiguousKVCache.create(cfg, 2, 7, bf))
+        return compute_logits(p, cfg, hidden)
+
+    got, want = np.asarray(logits(packed), np.float32), np.asarray(logits(plain), np.float32)
+    np.testing.assert_allclose(got, want, rtol=0, atol=0.02 * np.abs(want).max())
+
+
+@built
 def test_smollm2_bf16_through_the_kernel_matches_xla():
     """SmolLM2 in bfloat16 with packed weights: logits agree with XLA's bf16 products to bf16
     rounding, and greedy chat answers through the engine are XLA's, token for token."""
@@ -567,9 +663,10 @@ def test_smollm2_bf16_through_the_kernel_matches_xla():
         assert ex.gemm_backend == backend
         if backend == "native":
             assert isinstance(ex.params["layers"][0]["wqkv"], gemm.PackedWeight)
-            # Each step passes 7 buffers, not 183: the embedding, the packed head, one stack
-            # of every norm (all [576] bfloat16) and one of each of the 4 layer weights.
-            assert len(jax.tree.leaves(ex._call_params)) == 7
+            # Each step passes 9 buffers, not 183: the embedding, the packed head, the final
+            # norm, one stack of each layer norm and one of each of the 4 layer weights.
+            assert len(jax.tree.leaves(ex._call_params)) == 9
+            assert all(isinstance(lp["mlp_norm"], gemm.NormWeight) for lp in ex.params["layers"])
             hidden = jnp.asarray(np.random.default_rng(0).standard_normal((5, 576)), jnp.bfloat16)
             packed = compute_logits(ex.params, ex.cfg, hidden)
             plain = compute_logits(llm.params, ex.cfg, hidden)

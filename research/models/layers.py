@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from research.config import ModelConfig, RopeScaling
-from research.native.gemm import BlockWeight, PackedWeight, block_matmul
+from research.native.gemm import BlockWeight, NormWeight, PackedWeight, block_matmul
+from research.native.gemm import add_rms_norm as native_add_rms_norm
 from research.native.gemm import matmul as packed_matmul
 from research.quant import QTensor, dequantize
 
@@ -26,8 +27,27 @@ from research.quant import QTensor, dequantize
 KERNEL_BACKENDS = ("xla", "native", "pallas", "pallas_interpret")
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array | NormWeight, eps: float) -> jax.Array:
     """RMSNorm computed in float32, cast back to the input dtype before the weight (as HF)."""
+    return add_rms_norm(x, None, weight, eps)[1]
+
+
+def add_rms_norm(
+    x: jax.Array, delta: jax.Array | None, weight: jax.Array | NormWeight, eps: float
+) -> tuple[jax.Array, jax.Array]:
+    """The residual stream after its add and its norm: (s, rms_norm(s)) for s = x + delta (x
+    where ``delta`` is None). A ``NormWeight`` (``research.native.gemm.pack_params``) runs both
+    in one native call where x, delta and the weight share a dtype; anything else in XLA."""
+    if isinstance(weight, NormWeight):
+        if x.dtype == weight.dtype and (delta is None or delta.dtype == x.dtype):
+            return native_add_rms_norm(x, delta, weight, eps)
+        weight = weight.own
+    if delta is not None:
+        x = x + delta
+    return x, _rms_norm(x, weight, eps)
+
+
+def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight * xf.astype(x.dtype)

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 
 from research.config import ModelConfig
 from research.models.layers import (
+    add_rms_norm,
     apply_rope,
     grouped_query_attention,
     linear,
@@ -148,18 +149,21 @@ def _layer(
     cfg: ModelConfig,
     lp: Params,
     x: jax.Array,
+    delta: jax.Array | None,
     layer: int,
     positions: jax.Array,
     cos: jax.Array,
     sin: jax.Array,
     cache: Any,
     backend: str,
-) -> tuple[jax.Array, Any]:
-    """One pre-norm decoder layer on x [B, T, D]."""
+) -> tuple[jax.Array, jax.Array, Any]:
+    """One pre-norm decoder layer on the residual stream x + delta [B, T, D] (delta: the last
+    layer's MLP output, or None); returns the stream before this layer's MLP output is added,
+    that output, and the cache (each add goes with the norm after it: ``add_rms_norm``)."""
     b, t, d = x.shape
     e, h, kvh = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
 
-    hidden = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    x, hidden = add_rms_norm(x, delta, lp["attn_norm"], cfg.rms_norm_eps)
     if "wqkv" in lp:  # q, k and v in one product (``research.native.gemm.pack_params``)
         qkv = linear(hidden, lp["wqkv"], backend)
         parts = jnp.split(qkv, [h * e, (h + kvh) * e], axis=-1)
@@ -178,9 +182,8 @@ def _layer(
     if cfg.attention_sinks:
         extra["sinks"] = lp["sinks"]
     attn, cache = cache.update_and_attend(layer, q, k, v, positions, e**-0.5, **extra)
-    x = x + _project(attn.reshape(b, t, h * e), lp, "o", backend)
-
-    hidden = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    attn = _project(attn.reshape(b, t, h * e), lp, "o", backend)
+    x, hidden = add_rms_norm(x, attn, lp["mlp_norm"], cfg.rms_norm_eps)
     if cfg.is_moe:
         mlp = moe_mlp(
             hidden.reshape(b * t, d),
@@ -202,7 +205,7 @@ def _layer(
         mlp = linear(linear(hidden, lp["w_gate_up"], backend), lp["w_down"], backend)
     else:
         mlp = swiglu(hidden, lp["w_gate"], lp["w_up"], lp["w_down"], backend)
-    return x + mlp, cache
+    return x, mlp, cache
 
 
 def forward(
@@ -226,9 +229,10 @@ def forward(
     x = params["embed"][tokens]  # [B, T, D]
     cos, sin = rope_cos_sin(jnp.maximum(positions, 0), cfg)  # [B, T, E]
 
+    delta = None
     for layer, lp in enumerate(params["layers"]):
-        x, cache = _layer(cfg, lp, x, layer, positions, cos, sin, cache, backend)
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache
+        x, delta, cache = _layer(cfg, lp, x, delta, layer, positions, cos, sin, cache, backend)
+    return add_rms_norm(x, delta, params["final_norm"], cfg.rms_norm_eps)[1], cache
 
 
 def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

@@ -69,6 +69,8 @@ FAMILIES: dict[str, tuple[list[Path], dict[str, str]]] = {
             "research_gemm_blocks": "GemmBlocks",
             "research_stream": "Stream",
             "research_greedy": "Greedy",
+            "research_add_rms_norm": "AddRmsNorm",
+            "research_rms_norm": "RmsNorm",
         },
     ),
 }
@@ -78,6 +80,8 @@ _GEMM_F32_TARGET = "research_gemm_f32"
 _GEMM_BLOCKS_TARGET = "research_gemm_blocks"
 _STREAM_TARGET = "research_stream"
 _GREEDY_TARGET = "research_greedy"
+_ADD_RMS_NORM_TARGET = "research_add_rms_norm"
+_RMS_NORM_TARGET = "research_rms_norm"
 _PACKED_TARGET = "research_packed_attention"
 _PACKED_WRITE_TARGET = "research_packed_attention_write"
 BUILD_TIMEOUT_S = 600.0

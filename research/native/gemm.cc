@@ -1391,6 +1391,178 @@ ffi::Error GreedyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
   return ffi::Error::Success();
 }
 
+// ---- RMSNorm, with the residual add before it ------------------------------------------
+//
+// x [M, D], delta [M, D], weight [D] (or a stack [L, D] and the layer to read), one dtype
+// (bfloat16 or float32) -> sum = x + delta and
+// normed = weight * dtype(s * rsqrt(mean(s * s) + eps)), s = float32(sum):
+// research.models.layers.rms_norm's arithmetic on the residual stream's sum (each operation
+// rounded to the dtype where XLA rounds it). A decoder layer's two norms took five XLA fusions
+// each (the add, the squares, a windowed sum, the rsqrt, the scaling): ten of a SmolLM2 layer's
+// fourteen, each a few microseconds of a decode step's thunks. The sum of squares is float32,
+// 16 lanes (lane l: elements l, l + 16, ... in turn; the tail after) and then the lanes in a
+// fixed tree: a row's result never depends on the other rows. Without delta (``add`` false,
+// RmsNorm): s = float32(x).
+template <typename T>
+float load_f(const T* p, int64_t i) {
+  if constexpr (std::is_same_v<T, float>) {
+    return p[i];
+  } else {
+    const uint32_t bits = uint32_t{p[i]} << 16;
+    float f;
+    __builtin_memcpy(&f, &bits, 4);
+    return f;
+  }
+}
+
+template <typename T>
+T store_f(float f) {
+  if constexpr (std::is_same_v<T, float>) {
+    return f;
+  } else {
+    return research_native::to_bf16(f);
+  }
+}
+
+// f rounded to T (nearest even for bfloat16), back in float32.
+template <typename T>
+float rounded(float f) {
+  const T t = store_f<T>(f);
+  return load_f(&t, 0);
+}
+
+template <typename T>
+void norm_rows(const T* x, const T* delta, const T* w, T* sum, T* normed, int64_t d, float eps,
+               int64_t begin, int64_t end) {
+  using research_native::v16;
+  for (int64_t row = begin; row < end; ++row) {
+    const T* xr = x + row * d;
+    const T* dr = delta == nullptr ? nullptr : delta + row * d;
+    T* sr = sum == nullptr ? nullptr : sum + row * d;
+    T* nr = normed + row * d;
+    v16 acc = {};
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16) {
+      v16 s;
+      for (int l = 0; l < 16; ++l) {
+        float v = load_f(xr, i + l);
+        if (dr != nullptr) {
+          v = rounded<T>(v + load_f(dr, i + l));
+          sr[i + l] = store_f<T>(v);
+        }
+        s[l] = v;
+      }
+      acc += s * s;
+    }
+    float tail = 0.0f;
+    for (int64_t j = i; j < d; ++j) {
+      float v = load_f(xr, j);
+      if (dr != nullptr) {
+        v = rounded<T>(v + load_f(dr, j));
+        sr[j] = store_f<T>(v);
+      }
+      tail += v * v;
+    }
+    float lanes[16];
+    for (int l = 0; l < 16; ++l) lanes[l] = acc[l];
+    for (int width = 8; width >= 1; width /= 2) {
+      for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+    }
+    const float mean = (lanes[0] + tail) / static_cast<float>(d);
+    const float r = 1.0f / std::sqrt(mean + eps);
+    const T* src = dr != nullptr ? sr : xr;
+    for (int64_t j = 0; j < d; ++j) {
+      nr[j] = store_f<T>(load_f(w, j) * rounded<T>(load_f(src, j) * r));
+    }
+  }
+}
+
+ffi::Error norm_impl(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer* delta,
+                     ffi::AnyBuffer& w, float eps, int32_t layer, ffi::AnyBuffer* sum,
+                     ffi::AnyBuffer& normed) {
+  const auto type = x.element_type();
+  const auto wd = w.dimensions();
+  const int64_t d = wd.size() == 0 ? 0 : wd.back();
+  const int64_t layers = wd.size() == 2 ? wd[0] : 1;
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  bool same = w.element_type() == type && normed.element_type() == type &&
+              normed.element_count() == x.element_count();
+  if (delta != nullptr) {
+    same = same && delta->element_type() == type && sum->element_type() == type &&
+           delta->element_count() == x.element_count() &&
+           sum->element_count() == x.element_count();
+  }
+  if ((type != ffi::DataType::F32 && type != ffi::DataType::BF16) || !same) {
+    return ffi::Error::InvalidArgument(
+        "rms_norm: x, delta, weight and the outputs must share one dtype, bfloat16 or float32, "
+        "and x, delta and the outputs one size");
+  }
+  if (d < 1 || (wd.size() != 1 && wd.size() != 2) || x.dimensions().size() == 0 ||
+      x.dimensions().back() != d) {
+    return ffi::Error::InvalidArgument(
+        "rms_norm: x [..., D] takes a weight [D], or a stack of them [L, D] and its layer");
+  }
+  if (layer < 0 || layer >= layers) {
+    return ffi::Error::InvalidArgument("rms_norm: layer " + std::to_string(layer) +
+                                       " is outside the weight's " + std::to_string(layers));
+  }
+  const int64_t rows = n / d;
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* dp = delta == nullptr ? nullptr : static_cast<const T*>(delta->untyped_data());
+    T* sp = sum == nullptr ? nullptr : static_cast<T*>(sum->untyped_data());
+    auto rows_fn = [&](int64_t begin, int64_t end) {
+      norm_rows<T>(static_cast<const T*>(x.untyped_data()), dp,
+                   static_cast<const T*>(w.untyped_data()) + layer * d, sp,
+                   static_cast<T*>(normed.untyped_data()), d, eps, begin, end);
+    };
+    // A decode step's few rows take a microsecond: on the calling thread; many rows over the
+    // cores.
+    if (n < (int64_t{1} << 16)) {
+      rows_fn(0, rows);
+    } else {
+      research_native::parallel_for(pool, rows, 1, rows_fn);
+    }
+  };
+  if (type == ffi::DataType::F32) {
+    run(float{});
+  } else {
+    run(uint16_t{});
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error AddRmsNormImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer delta,
+                          ffi::AnyBuffer w, float eps, int32_t layer,
+                          ffi::Result<ffi::AnyBuffer> sum, ffi::Result<ffi::AnyBuffer> normed) {
+  return norm_impl(pool, x, &delta, w, eps, layer, &(*sum), *normed);
+}
+
+ffi::Error RmsNormImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, float eps,
+                       int32_t layer, ffi::Result<ffi::AnyBuffer> normed) {
+  return norm_impl(pool, x, nullptr, w, eps, layer, nullptr, *normed);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNorm, AddRmsNormImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Attr<float>("eps")
+                                  .Attr<int32_t>("layer")
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNorm, RmsNormImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Attr<float>("eps")
+                                  .Attr<int32_t>("layer")
+                                  .Ret<ffi::AnyBuffer>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Greedy, GreedyImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

@@ -42,6 +42,8 @@ from research import native
 # ``layers.linear``; q/k/v and gate/up are fused first where they tile); anything else in a
 # layer (norms, biases, sinks, MoE expert stacks, the router) stays as it is.
 PACKED_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# A layer's RMSNorm weights that the native kernel applies (``NormWeight``), and the model's last.
+NORM_KEYS = ("attn_norm", "mlp_norm")
 GEMM_BACKENDS = ("auto", "xla", "native")
 DTYPES = (jnp.bfloat16, jnp.float32)  # what the packed path multiplies
 # $RESEARCH_GEMM_KERNEL -> the kernel attribute of the bfloat16 product (``gemm.cc``)
@@ -99,6 +101,57 @@ class PackedWeight(_Panels):
     @property
     def ndim(self) -> int:
         return 2
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NormWeight:
+    """An RMSNorm's weight [D] that the native kernel applies (``add_rms_norm``), with the
+    residual add before it: one call instead of the five XLA fusions of the add and the norm."""
+
+    weight: jax.Array
+    # Where ``weight`` stacks every decoder layer's norm of this kind ([L, D], ``stack_layers``),
+    # the layer this one reads.
+    layer: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @property
+    def dtype(self) -> Any:
+        return self.weight.dtype
+
+    @property
+    def own(self) -> jax.Array:
+        """This norm's weight [D] (its layer's row of a stack)."""
+        return self.weight if self.layer is None else self.weight[self.layer]
+
+
+def add_rms_norm(
+    x: jax.Array, delta: jax.Array | None, w: NormWeight, eps: float
+) -> tuple[jax.Array, jax.Array]:
+    """(s, rms_norm(s)) for s = x + delta (x itself where ``delta`` is None) in one native
+    call: ``research.models.layers.rms_norm``'s arithmetic, rounded to x's dtype where XLA
+    rounds (the sum, the normalized value, the weight's product); the mean of squares a float32
+    sum in a fixed order per row (rows are batch-invariant). x, delta and the weight share one
+    dtype, bfloat16 or float32."""
+    _require_native()
+    weight = w.weight
+    if weight.ndim != (1 if w.layer is None else 2) or x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"x {x.shape} does not end in the norm's {weight.shape[-1]} features")
+    if (
+        x.dtype != weight.dtype
+        or x.dtype not in DTYPES
+        or (delta is not None and (delta.dtype != x.dtype or delta.shape != x.shape))
+    ):
+        raise ValueError(
+            f"add_rms_norm takes x, delta and weight of one dtype, bfloat16 or float32; got "
+            f"x {x.dtype}{x.shape}, delta "
+            f"{None if delta is None else f'{delta.dtype}{delta.shape}'}, weight {weight.dtype}"
+        )
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    attrs = dict(eps=np.float32(eps), layer=np.int32(0 if w.layer is None else w.layer))
+    if delta is None:
+        return x, jax.ffi.ffi_call(native._RMS_NORM_TARGET, out)(x, weight, **attrs)
+    s, normed = jax.ffi.ffi_call(native._ADD_RMS_NORM_TARGET, (out, out))(x, delta, weight, **attrs)
+    return s, normed
 
 
 def tiles(k: int, n: int) -> bool:
@@ -228,7 +281,8 @@ def resolve(backend: str, dtype: Any, sharded: bool = False) -> str:
 def pack_params(params: dict, tie_word_embeddings: bool, awq_blocks: bool = True) -> dict:
     """A model's params with its bfloat16 or float32 projections packed: q, k and v as one ``wqkv``, a
     dense MLP's gate and up as one ``w_gate_up`` (silu(gate) * up in the kernel's epilogue),
-    the others one by one; weights that do not tile stay. A tied embedding gains a packed
+    the others one by one; weights that do not tile stay. The layers' norms and the final norm
+    become ``NormWeight`` (the native RMSNorm, with the residual add before it). A tied embedding gains a packed
     ``lm_head`` beside it (the lookup keeps reading ``embed``). ``awq_blocks``: AWQ int4
     projections (``research.quant.QTensor``) become ``BlockWeight`` blocks of the same codes,
     scales and zero points (``awq_rows``), fused the same way, read as stored."""
@@ -260,8 +314,17 @@ def pack_params(params: dict, tie_word_embeddings: bool, awq_blocks: bool = True
                 out[key] = pack(out[key])
         return out
 
+    def norm(w: Any) -> Any:  # applied by the native kernel, with the residual add before it
+        ok = isinstance(w, jax.Array) and w.ndim == 1 and w.dtype in DTYPES
+        return NormWeight(w) if ok else w
+
     out = dict(params)
-    out["layers"] = [layer(lp) for lp in params["layers"]]
+    out["layers"] = [
+        {**lp, **{k: norm(lp[k]) for k in NORM_KEYS if k in lp}}
+        for lp in (layer(lp) for lp in params["layers"])
+    ]
+    if "final_norm" in params:
+        out["final_norm"] = norm(params["final_norm"])
     if "lm_head" in params and fits(params["lm_head"]):
         out["lm_head"] = pack(params["lm_head"])
     elif "lm_head" not in params and tie_word_embeddings and fits(params["embed"], transposed=True):
@@ -270,16 +333,24 @@ def pack_params(params: dict, tie_word_embeddings: bool, awq_blocks: bool = True
 
 
 def stack_layers(params: dict) -> dict:
-    """``params`` with each packed layer weight (``PackedWeight``, ``BlockWeight``) that every
-    decoder layer holds in the same form (shape, dtype, epilogue, format) stacked into one
-    buffer [L, ...], each layer's weight a view of it (``layer``): the same panels and
-    products, and a jitted step takes one buffer per kind of weight instead of one per layer
-    (``research.engine.call_params``). The stacks are new arrays: until the caller drops the
+    """``params`` with each packed layer weight (``PackedWeight``, ``BlockWeight``, and the norms'
+    ``NormWeight``) that every decoder layer holds in the same form (shape, dtype, epilogue,
+    format) stacked into one buffer [L, ...], each layer's weight a view of it (``layer``): the
+    same panels and products, and a jitted step takes one buffer per kind of weight instead of
+    one per layer (``research.engine.call_params``). The stacks are new arrays: until the caller drops the
     per-layer ones, both are held."""
     layers = params.get("layers")
     if not isinstance(layers, list) or len(layers) < 2:
         return params
     out = [dict(lp) for lp in layers]
+    for key in NORM_KEYS:  # each layer's norm a row of one [L, D] stack
+        ws = [lp.get(key) for lp in layers]
+        if all(isinstance(w, NormWeight) and w.layer is None for w in ws) and (
+            len({(w.weight.shape, w.weight.dtype) for w in ws}) == 1
+        ):
+            stack = jnp.stack([w.weight for w in ws])
+            for i, lp in enumerate(out):
+                lp[key] = NormWeight(stack, layer=i)
     for key, first in layers[0].items():
         if not isinstance(first, (PackedWeight, BlockWeight)) or first.layer is not None:
             continue
