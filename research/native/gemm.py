@@ -40,9 +40,10 @@ from research import native
 
 # Per-layer projection weights the packed path serves ([in, out] matrices multiplied by
 # ``layers.linear``; q/k/v and gate/up are fused first where they tile); anything else in a
-# layer (norms, biases, sinks, MoE expert stacks, the router) stays as it is.
+# layer (biases, sinks, MoE expert stacks, the router) stays as it is, but for its norms.
 PACKED_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-# A layer's RMSNorm weights that the native kernel applies (``NormWeight``), and the model's last.
+# A layer's RMSNorm weights that the native kernel applies (``NormWeight``; the model's final
+# norm too).
 NORM_KEYS = ("attn_norm", "mlp_norm")
 GEMM_BACKENDS = ("auto", "xla", "native")
 DTYPES = (jnp.bfloat16, jnp.float32)  # what the packed path multiplies
@@ -279,13 +280,14 @@ def resolve(backend: str, dtype: Any, sharded: bool = False) -> str:
 
 
 def pack_params(params: dict, tie_word_embeddings: bool, awq_blocks: bool = True) -> dict:
-    """A model's params with its bfloat16 or float32 projections packed: q, k and v as one ``wqkv``, a
-    dense MLP's gate and up as one ``w_gate_up`` (silu(gate) * up in the kernel's epilogue),
-    the others one by one; weights that do not tile stay. The layers' norms and the final norm
-    become ``NormWeight`` (the native RMSNorm, with the residual add before it). A tied embedding gains a packed
-    ``lm_head`` beside it (the lookup keeps reading ``embed``). ``awq_blocks``: AWQ int4
-    projections (``research.quant.QTensor``) become ``BlockWeight`` blocks of the same codes,
-    scales and zero points (``awq_rows``), fused the same way, read as stored."""
+    """A model's params with its bfloat16 or float32 projections packed: q, k and v as one
+    ``wqkv``, a dense MLP's gate and up as one ``w_gate_up`` (silu(gate) * up in the kernel's
+    epilogue), the others one by one; weights that do not tile stay. The layers' norms and the
+    final norm become ``NormWeight`` (the native RMSNorm, with the residual add before it). A
+    tied embedding gains a packed ``lm_head`` beside it (the lookup keeps reading ``embed``).
+    ``awq_blocks``: AWQ int4 projections (``research.quant.QTensor``) become ``BlockWeight``
+    blocks of the same codes, scales and zero points (``awq_rows``), fused the same way, read
+    as stored."""
 
     def fits(*ws: Any, transposed: bool = False) -> bool:
         for w in ws:
@@ -337,8 +339,8 @@ def stack_layers(params: dict) -> dict:
     ``NormWeight``) that every decoder layer holds in the same form (shape, dtype, epilogue,
     format) stacked into one buffer [L, ...], each layer's weight a view of it (``layer``): the
     same panels and products, and a jitted step takes one buffer per kind of weight instead of
-    one per layer (``research.engine.call_params``). The stacks are new arrays: until the caller drops the
-    per-layer ones, both are held."""
+    one per layer (``research.engine.call_params``). The stacks are new arrays: until the
+    caller drops the per-layer ones, both are held."""
     layers = params.get("layers")
     if not isinstance(layers, list) or len(layers) < 2:
         return params
