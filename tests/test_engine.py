@@ -4,6 +4,7 @@ bounded compilation, stop conditions, copy-on-write block copies."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -174,7 +175,11 @@ def test_narrow_kv_pages_are_written_in_place_and_never_read_unwritten(model, kv
     """bf16 (and fp8) pages live as raw bits on CPU, where XLA rewrites a whole float16-wide
     layer to update one token: the pool's buffers are reused step after step (in place), and a
     poisoned pool (NaN in every page, refilled when freed) under preemption gives the tokens of
-    a roomy, clean one."""
+    a roomy, clean one, with no NaN read (every top-2 gap finite). bf16 pages: token for token.
+    fp8 pages: token for token up to a near-tie, because recomputing a preempted request reads
+    its generated tokens' K/V unquantized (new tokens of the prefill chunk) where its decode
+    steps read them from fp8 pages (its top-2 gaps moved by up to 0.0015 even where its tokens
+    held), so the first differing token must have both runs' gaps below 0.005."""
     import jax
     import jax.numpy as jnp
 
@@ -209,7 +214,18 @@ def test_narrow_kv_pages_are_written_in_place_and_never_read_unwritten(model, kv
     tight = engine(16, True)
     out = tight.generate(PROMPTS, [GREEDY] * len(PROMPTS))
     assert tight.stats()["num_preemptions"] > 0
-    assert [o.token_ids for o in out] == [o.token_ids for o in reference]
+    assert all(math.isfinite(g) for o in out for g in o.top2_logit_gaps)
+    if kv == "auto":
+        assert [o.token_ids for o in out] == [o.token_ids for o in reference]
+        return
+    for x, y in zip(out, reference, strict=True):
+        assert len(x.token_ids) == len(y.token_ids)
+        if x.token_ids != y.token_ids:
+            i = next(
+                i for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids, strict=True)) if s != t
+            )
+            gap = max(x.top2_logit_gaps[i], y.top2_logit_gaps[i])
+            assert gap < 0.005, f"tokens differ at {i} where the top-2 logit gap is {gap:.3g}"
 
 
 def test_llm_logs_its_kv_pool_at_start(caplog):
