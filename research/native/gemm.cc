@@ -1396,13 +1396,16 @@ ffi::Error GreedyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
 // x [M, D], delta [M, D], weight [D] (or a stack [L, D] and the layer to read), one dtype
 // (bfloat16 or float32) -> sum = x + delta and
 // normed = weight * dtype(s * rsqrt(mean(s * s) + eps)), s = float32(sum):
-// research.models.layers.rms_norm's arithmetic on the residual stream's sum (each operation
-// rounded to the dtype where XLA rounds it). A decoder layer's two norms took five XLA fusions
-// each (the add, the squares, a windowed sum, the rsqrt, the scaling): ten of a SmolLM2 layer's
-// fourteen, each a few microseconds of a decode step's thunks. The sum of squares is float32,
+// research.models.layers.rms_norm's arithmetic on the residual stream's sum, each operation
+// rounded to the dtype where the model's code rounds it (inside a step XLA fuses the add into
+// the norm and squares the sum before rounding it, so the two differ in the last bf16 bit of
+// some values; against XLA on a materialized sum this is bit for bit). A decoder layer's two
+// norms took five XLA fusions each (the add, the squares, a windowed sum, the rsqrt, the
+// scaling): ten of a SmolLM2 layer's fourteen, each a few microseconds of a decode step's
+// thunks. The sum of squares is float32,
 // 16 lanes (lane l: elements l, l + 16, ... in turn; the tail after) and then the lanes in a
-// fixed tree: a row's result never depends on the other rows. Without delta (``add`` false,
-// RmsNorm): s = float32(x).
+// fixed tree: a row's result never depends on the other rows. Without delta (RmsNorm):
+// s = float32(x).
 template <typename T>
 float load_f(const T* p, int64_t i) {
   if constexpr (std::is_same_v<T, float>) {
