@@ -500,10 +500,7 @@ void vec_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const T* x
           widened.resize(count);
           float* dst = widened.data();
           const uint16_t* src = xp + m_begin * k;
-          for (int64_t i = 0; i < count; ++i) {
-            const uint32_t bits = uint32_t{src[i]} << 16;
-            __builtin_memcpy(dst + i, &bits, 4);
-          }
+          for (int64_t i = 0; i < count; ++i) dst[i] = research_native::to_f32(src[i]);
           have = unit;
         }
         x = widened.data();
@@ -1015,10 +1012,7 @@ void block_gemm(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, const vo
         float* dst = widened.data();
         if (x_bf16) {
           const uint16_t* src = static_cast<const uint16_t*>(xp) + m_begin * k;
-          for (int64_t i = 0; i < count; ++i) {
-            const uint32_t bits = uint32_t{src[i]} << 16;
-            __builtin_memcpy(dst + i, &bits, 4);
-          }
+          for (int64_t i = 0; i < count; ++i) dst[i] = research_native::to_f32(src[i]);
         } else {
           const float* src = static_cast<const float*>(xp) + m_begin * k;
           std::copy(src, src + count, dst);
@@ -1402,21 +1396,10 @@ ffi::Error GreedyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
 // some values; against XLA on a materialized sum this is bit for bit). A decoder layer's two
 // norms took five XLA fusions each (the add, the squares, a windowed sum, the rsqrt, the
 // scaling): ten of a SmolLM2 layer's fourteen, each a few microseconds of a decode step's
-// thunks. The sum of squares is float32,
-// 16 lanes (lane l: elements l, l + 16, ... in turn; the tail after) and then the lanes in a
-// fixed tree: a row's result never depends on the other rows. Without delta (RmsNorm):
-// s = float32(x).
-template <typename T>
-float load_f(const T* p, int64_t i) {
-  if constexpr (std::is_same_v<T, float>) {
-    return p[i];
-  } else {
-    const uint32_t bits = uint32_t{p[i]} << 16;
-    float f;
-    __builtin_memcpy(&f, &bits, 4);
-    return f;
-  }
-}
+// thunks. The sum of squares is float32, 16 lanes (lane l: elements l, l + 16, ... in turn;
+// the tail after) and then the lanes in a fixed tree: a row's result never depends on the
+// other rows. Without delta (RmsNorm): s = float32(x).
+using research_native::to_f32;
 
 template <typename T>
 T store_f(float f) {
@@ -1430,8 +1413,7 @@ T store_f(float f) {
 // f rounded to T (nearest even for bfloat16), back in float32.
 template <typename T>
 float rounded(float f) {
-  const T t = store_f<T>(f);
-  return load_f(&t, 0);
+  return to_f32(store_f<T>(f));
 }
 
 template <typename T>
@@ -1448,9 +1430,9 @@ void norm_rows(const T* x, const T* delta, const T* w, T* sum, T* normed, int64_
     for (; i + 16 <= d; i += 16) {
       v16 s;
       for (int l = 0; l < 16; ++l) {
-        float v = load_f(xr, i + l);
+        float v = to_f32(xr[i + l]);
         if (dr != nullptr) {
-          v = rounded<T>(v + load_f(dr, i + l));
+          v = rounded<T>(v + to_f32(dr[i + l]));
           sr[i + l] = store_f<T>(v);
         }
         s[l] = v;
@@ -1459,9 +1441,9 @@ void norm_rows(const T* x, const T* delta, const T* w, T* sum, T* normed, int64_
     }
     float tail = 0.0f;
     for (int64_t j = i; j < d; ++j) {
-      float v = load_f(xr, j);
+      float v = to_f32(xr[j]);
       if (dr != nullptr) {
-        v = rounded<T>(v + load_f(dr, j));
+        v = rounded<T>(v + to_f32(dr[j]));
         sr[j] = store_f<T>(v);
       }
       tail += v * v;
@@ -1475,7 +1457,7 @@ void norm_rows(const T* x, const T* delta, const T* w, T* sum, T* normed, int64_
     const float r = 1.0f / std::sqrt(mean + eps);
     const T* src = dr != nullptr ? sr : xr;
     for (int64_t j = 0; j < d; ++j) {
-      nr[j] = store_f<T>(load_f(w, j) * rounded<T>(load_f(src, j) * r));
+      nr[j] = store_f<T>(to_f32(w[j]) * rounded<T>(to_f32(src[j]) * r));
     }
   }
 }

@@ -129,8 +129,9 @@ def add_rms_norm(
     x: jax.Array, delta: jax.Array | None, w: NormWeight, eps: float
 ) -> tuple[jax.Array, jax.Array]:
     """(s, rms_norm(s)) for s = x + delta (x itself where ``delta`` is None) in one native
-    call: ``research.models.layers.rms_norm``'s arithmetic, rounded to x's dtype where XLA
-    rounds (the sum, the normalized value, the weight's product); the mean of squares a float32
+    call: ``research.models.layers.rms_norm``'s arithmetic, rounded to x's dtype where that
+    code rounds (the sum, the normalized value, the weight's product; inside a step XLA fuses
+    the add into the norm and squares the unrounded sum); the mean of squares a float32
     sum in a fixed order per row (rows are batch-invariant). x, delta and the weight share one
     dtype, bfloat16 or float32."""
     _require_native()

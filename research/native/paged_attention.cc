@@ -273,13 +273,7 @@ inline void transpose_block(vw* r, std::integer_sequence<int, T...>) {
 }
 
 // Page elements as float32: float32 as stored, bfloat16 (uint16_t bits) widened exactly.
-inline float to_f32(float x) { return x; }
-inline float to_f32(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using research_native::to_f32;
 typedef uint16_t vwh __attribute__((vector_size(kW * 2), aligned(2)));
 typedef uint32_t vwi __attribute__((vector_size(kW * 4)));
 inline vw load_w(const float* p) { return *reinterpret_cast<const vwu*>(p); }

@@ -47,6 +47,15 @@ inline v16 silu16(v16 x) {
   return x * sig;
 }
 
+// float32 or bfloat16 bits (uint16_t) as float32: a float as it is, bfloat16 widened exactly.
+inline float to_f32(float x) { return x; }
+inline float to_f32(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 // float32 -> bfloat16 bits, rounding to nearest even: one value, and 16 lanes at once.
 inline uint16_t to_bf16(float f) {
   uint32_t bits;
