@@ -234,6 +234,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     scheduling_policy: str = "continuous"  # continuous | static
     enable_chunked_prefill: bool = True
+    # vLLM's multi-step scheduling: a step of decodes only runs up to this many decode steps in
+    # one call (each row's sample its next input), its slots allocated ahead; stops are checked
+    # after the call. 1 = one step per call.
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -241,6 +245,14 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if (
+            isinstance(self.num_scheduler_steps, bool)
+            or not isinstance(self.num_scheduler_steps, int)
+            or not 1 <= self.num_scheduler_steps <= 1024
+        ):
+            raise ValueError(
+                f"num_scheduler_steps must be an integer in [1, 1024], got {self.num_scheduler_steps!r}"
             )
         if self.scheduling_policy not in ("continuous", "static"):
             raise ValueError(

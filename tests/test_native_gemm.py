@@ -507,9 +507,13 @@ def test_pack_params_fuses_and_packs_projections_only():
     same(gemm.unpack(m["wq"]), moe["wq"])
     for key in ("w_gate", "w_up", "router"):
         assert m[key] is moe[key]
-    assert packed["embed"] is params["embed"]
+    # with its head packed, the bfloat16 embedding is read by the lookup only: its codes
+    assert params["embed"].dtype == jnp.bfloat16 and packed["embed"].dtype == jnp.uint16
+    codes = np.asarray(params["embed"]).view(np.uint16)
+    np.testing.assert_array_equal(np.asarray(packed["embed"]), codes)
     same(gemm.unpack(packed["lm_head"]), params["embed"].T)
-    assert "lm_head" not in gemm.pack_params(params, tie_word_embeddings=False)
+    untied = gemm.pack_params(params, tie_word_embeddings=False)
+    assert "lm_head" not in untied and untied["embed"] is params["embed"]  # the head reads it
 
 
 def random_q4_1(n: int, k: int, rng) -> gemm.BlockWeight:

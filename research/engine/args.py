@@ -96,6 +96,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     scheduling_policy: str = "continuous"
     enable_chunked_prefill: bool = True
+    num_scheduler_steps: int = 1
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 1 << 30
@@ -163,6 +164,12 @@ class EngineArgs:
         check_int("max_num_seqs", self.max_num_seqs, 1, _BIG)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, _BIG)
         check_int("block_size", self.block_size, 1, _BIG)
+        check_int("num_scheduler_steps", self.num_scheduler_steps, 1, 1024)
+        if self.num_scheduler_steps > 1 and executor == "simulated":
+            raise ValueError(
+                "num_scheduler_steps > 1 runs on the real engine; the simulator prices one "
+                "step per token (leave it at 1)"
+            )
         if self.num_kv_blocks is not None:
             check_int("num_kv_blocks", self.num_kv_blocks, 1, _BIG)
         check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, 2**63 - 1)
@@ -239,6 +246,7 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 scheduling_policy=self.scheduling_policy,
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                num_scheduler_steps=self.num_scheduler_steps,
             ),
             speculative=speculative,
             quantization=self.quantization,

@@ -144,6 +144,17 @@ class Engine:
             )
         if spec is not None and hasattr(self.executor, "verify_tokens_per_row"):
             self.executor.verify_tokens_per_row = 1 + spec.num_speculative_tokens
+        # Multi-step scheduling: up to this many decode steps per call (1: one per step).
+        self.num_scheduler_steps = self.scheduler_config.num_scheduler_steps
+        if self.num_scheduler_steps > 1:
+            why = getattr(
+                self.executor, "supports_multi_step", "its executor runs one step per call"
+            )
+            if spec is not None:
+                why = "speculative decoding verifies drafts one step at a time"
+            if why is not None:
+                raise ValueError(f"num_scheduler_steps={self.num_scheduler_steps}: {why}; use 1")
+            self.executor.num_scheduler_steps = self.num_scheduler_steps
         # Timestamps in RequestMetrics come from ``clock`` (a simulated executor's virtual clock
         # replaces it); step and device times below are always real wall-clock seconds.
         self.clock = clock
@@ -305,6 +316,8 @@ class Engine:
         if self.proposer is not None:
             propose(self.proposer, self.scheduler.running, self.spec_stats)
         plan = self.scheduler.schedule()
+        if self.num_scheduler_steps > 1:
+            self.scheduler.extend_decodes(plan, self.num_scheduler_steps, self.max_model_len)
         if self.on_schedule is not None:
             self.on_schedule()
         if plan.is_empty:
@@ -325,6 +338,7 @@ class Engine:
             logger.warning(
                 "a step of %d requests failed (%r); isolating", len(plan.scheduled), error
             )
+            plan.num_steps = 1  # the isolating steps run one step each (slots stay allocated)
             plan, result, culprits = isolate_failure(self.executor, plan, self._check_seq)
             failed = [self._fail(seq, reason) for seq, reason in culprits]
         self.num_steps += 1
@@ -351,6 +365,10 @@ class Engine:
 
     def _commit(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         now = self.clock()
+        if plan.num_steps > 1:
+            outputs = [self._commit_steps(item, result, now) for item in plan.decodes]
+            self._poison_freed()
+            return outputs
         outputs = []
         for item in plan.scheduled:
             item.seq.prompt_logprobs_raw.update(result.prompt_logprobs.get(item.seq.request_id, {}))
@@ -377,10 +395,39 @@ class Engine:
             output = self._commit_verified(item, result, now)
             if output is not None:
                 outputs.append(output)
+        self._poison_freed()
+        return outputs
+
+    def _poison_freed(self) -> None:
         if self.poison_freed_blocks:
             freed, self.block_manager.freed_blocks = self.block_manager.freed_blocks, []
             self.executor.poison_blocks(freed)
-        return outputs
+
+    def _commit_steps(self, item: ScheduledSeq, result: StepResult, now: float) -> RequestOutput:
+        """Append a multi-step row's samples in order, each step's input token then computed,
+        up to a stop: what the row sampled past it is dropped (its slots go back with its
+        blocks)."""
+        seq = item.seq
+        rid = seq.request_id
+        m = seq.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        try:
+            for k, (token, gap) in enumerate(
+                zip(result.steps[rid], result.steps_top2_gaps[rid], strict=True)
+            ):
+                seq.num_computed_tokens = item.start + k + 1
+                m.token_times.append(now)
+                seq.top2_gaps.append(gap)
+                self.outputs.append_and_check_stop(seq, token)
+                if seq.finish_reason is not None:
+                    break
+        except Exception as error:  # e.g. a detokenizer error: this request's alone
+            return self._fail(seq, f"{type(error).__name__}: {error}")
+        self.block_manager.cache_full_blocks(seq)
+        if seq.finish_reason is not None:
+            self._finish(seq)
+        return self._output(seq)
 
     def _commit_verified(
         self, item: ScheduledSeq, result: StepResult, now: float

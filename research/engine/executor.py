@@ -46,6 +46,7 @@ from research.engine.step import (  # noqa: F401 (re-exported)
     STEP_TRACES,
     copy_blocks_jit,
     fill_blocks_jit,
+    model_multi_step,
     model_step,
     model_step_writing,
     to_host,
@@ -79,6 +80,10 @@ class StepResult:
     # Of device_time, seconds inside the native CPU kernels (``research.native.kernel_seconds``;
     # 0 on the XLA and Pallas paths): the rest of device_time is XLA's own work around them.
     kernel_time: float = 0.0
+    # A plan of several decode steps (``StepPlan.num_steps``): each row's samples in order (its
+    # ``tokens`` entry is the last) and their top-2 logit gaps.
+    steps: dict[str, list[int]] = field(default_factory=dict)
+    steps_top2_gaps: dict[str, list[float]] = field(default_factory=dict)
 
 
 def decode_logprobs(raw: RawLogprobs, token: int, n: int, decode: Any) -> dict[int, Logprob]:
@@ -193,6 +198,8 @@ class ModelExecutor:
             lower=self._lower,
         )
         self.step_calls = 0  # calls of the jitted step (one forward pass each)
+        # Decode steps one call may run (the engine's ``num_scheduler_steps``).
+        self.num_scheduler_steps = 1
         self._new_batch(1)
 
     @property
@@ -292,7 +299,8 @@ class ModelExecutor:
         calls = self.step_calls
         if rows:
             kernels = native.kernel_seconds()
-            result.device_time = self._run(rows, result)
+            run = self._run if plan.num_steps == 1 else self._run_steps
+            result.device_time = run(rows, result, plan.num_steps)
             result.kernel_time = native.kernel_seconds() - kernels
         result.forward_passes = self.step_calls - calls  # each call is one forward
         result.duration = time.perf_counter() - t0
@@ -321,7 +329,40 @@ class ModelExecutor:
         )
         return step, out, t0
 
-    def _run(self, rows: list[ScheduledSeq], out: StepResult) -> float:
+    @property
+    def supports_multi_step(self) -> str | None:
+        """None if a call can run several decode steps (``_run_steps``), else why not."""
+        if self.plan is not None:
+            return "a sharded model runs one decode step per call"
+        if self.pool.layer_slots:
+            return "a model with sliding-window layers runs one decode step per call"
+        return None
+
+    def _run_steps(self, rows: list[ScheduledSeq], out: StepResult, num_steps: int) -> float:
+        """``num_steps`` decode steps of ``rows`` in one call (``model_multi_step``, compiled
+        per step shape for at most ``num_scheduler_steps`` steps); returns its seconds."""
+        if num_steps > self.num_scheduler_steps or any(item.num_new_tokens != 1 for item in rows):
+            raise ValueError(f"{num_steps} steps of {len(rows)} rows: decodes only, at most "
+                             f"num_scheduler_steps = {self.num_scheduler_steps}")  # fmt: skip
+        host = self.batch.prepare(rows, self.compiler.shape_for(rows))
+        self.step_calls += num_steps
+        t0 = time.perf_counter()
+        res = model_multi_step(
+            self._call_params, self.pool, host.inputs, host.slot_mapping, np.int32(num_steps),
+            **self._static(), writes=self.writes_in_step, max_steps=self.num_scheduler_steps,
+            block_size=self.block_size, pad_slot=self.batch.pad_slot,
+        )  # fmt: skip
+        self.pool = res["pool"]
+        tokens, gaps = to_host(res["tokens"]), to_host(res["gaps"])
+        device_time = time.perf_counter() - t0
+        for i, item in enumerate(rows):
+            rid = item.seq.request_id
+            out.steps[rid] = [int(t) for t in tokens[:num_steps, i]]
+            out.steps_top2_gaps[rid] = [float(g) for g in gaps[:num_steps, i]]
+            out.tokens[rid], out.top2_gaps[rid] = out.steps[rid][-1], out.steps_top2_gaps[rid][-1]
+        return device_time
+
+    def _run(self, rows: list[ScheduledSeq], out: StepResult, num_steps: int = 1) -> float:
         """Pack, run and unpack the step; returns the seconds spent in the jitted calls."""
         host, res, t0 = self._call(
             self.compiler.shape_for(rows), functools.partial(self.batch.prepare, rows)

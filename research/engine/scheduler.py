@@ -53,6 +53,9 @@ class StepPlan:
     preempted: list[Sequence] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     verifies: list[ScheduledSeq] = field(default_factory=list)
+    # Decode steps the plan's rows run in one call (``Scheduler.extend_decodes``): each row's
+    # sample is its next token, its slots for them allocated ahead.
+    num_steps: int = 1
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:
@@ -179,6 +182,35 @@ class Scheduler:
 
         plan.block_copies = self.block_manager.take_pending_copies()
         return plan
+
+    def extend_decodes(self, plan: StepPlan, max_steps: int, max_model_len: int) -> int:
+        """Multi-step scheduling (vLLM's ``num_scheduler_steps``): a plan of decodes only runs
+        up to ``max_steps`` steps in one call, each row's sample its next token. Every row gets
+        its slots for them now (never by preempting anyone: if the pool cannot hold them all,
+        the plan stays one step). No row runs past its ``max_tokens`` or ``max_model_len``:
+        the steps are as many as the row closest to either has left. Sets and returns ``plan.num_steps``."""
+        if max_steps <= 1 or not plan.decodes or plan.prefills or plan.verifies:
+            return plan.num_steps
+        rows = plan.decodes
+        n = min(max_steps, *(self._steps_left(item.seq, max_model_len) for item in rows))
+        if n <= 1:
+            return plan.num_steps
+        bm = self.block_manager
+        need = sum(
+            max(0, bm.blocks_needed(item.start + n) - len(item.seq.block_ids)) for item in rows
+        )
+        if need > bm.num_free_blocks:
+            return plan.num_steps
+        for item in rows:
+            if not bm.allocate_slots(item.seq, n):  # cannot fail: the room was counted
+                raise RuntimeError(f"request {item.seq.request_id}: look-ahead slots vanished")
+        plan.num_steps = n
+        return n
+
+    @staticmethod
+    def _steps_left(seq: Sequence, max_model_len: int) -> int:
+        sp = seq.sampling_params
+        return min(sp.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens)
 
     @staticmethod
     def _add_to_plan(plan: StepPlan, item: ScheduledSeq) -> None:

@@ -20,6 +20,7 @@ the same model in a process shares compiled code. ``STEP_TRACES`` counts the ste
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -166,11 +167,78 @@ def _model_step(
     return out
 
 
+def advance(inputs: StepInputs, tokens: jax.Array, block_size: int, pad_slot: int):
+    """A decode step's inputs one token on: each row's next token is ``tokens`` [R] (its
+    sample), at the next position, over one more cached token; sampling keys move on with the
+    row's token count. Returns the inputs and the new tokens' KV slots [N] (``pad_slot`` for
+    padding) from the rows' block tables, which must already hold the new positions."""
+    meta = inputs.meta
+    r = meta.seq_lens.shape[0]
+    real = meta.positions >= 0
+    row = jnp.minimum(meta.token_row, r - 1)
+    positions = jnp.where(real, meta.positions + 1, -1)
+    pos = jnp.maximum(positions, 0)
+    slots = meta.block_tables[row, pos // block_size] * block_size + pos % block_size
+    meta = dataclasses.replace(
+        meta, positions=positions, seq_lens=jnp.where(meta.seq_lens > 0, meta.seq_lens + 1, 0)
+    )
+    sampling = dataclasses.replace(inputs.sampling, step=inputs.sampling.step + 1)
+    token_ids = jnp.where(real, tokens[row], 0)
+    inputs = dataclasses.replace(inputs, token_ids=token_ids, meta=meta, sampling=sampling)
+    return inputs, jnp.where(real, slots, pad_slot).astype(jnp.int32)
+
+
+def _multi_step(
+    params: Params | CallParams,
+    pool: KVPool,
+    inputs: StepInputs,
+    slot_mapping: jax.Array,
+    num_steps: jax.Array,
+    *,
+    cfg: Any,
+    backend: str,
+    plan: Any = None,
+    writes: bool = False,
+    max_steps: int,
+    block_size: int,
+    pad_slot: int,
+) -> dict[str, Any]:
+    """``num_steps`` (<= ``max_steps``) decode steps in one call (vLLM's multi-step
+    scheduling): every row has one token, and each step's sample is the row's next input.
+    Each step is ``_model_step`` over the same rows (sampling, K/V stored as one step stores
+    them); the host checks stops afterwards and drops what a finished row sampled past its
+    stop. Returns the pool, ``tokens`` and ``gaps`` [max_steps, R] (steps past num_steps: -1
+    and 0)."""
+    r = inputs.meta.seq_lens.shape[0]
+    tokens = jnp.full((max_steps, r), -1, jnp.int32)
+    gaps = jnp.zeros((max_steps, r), jnp.float32)
+
+    def body(i, carry):
+        pool, inputs, slots, tokens, gaps = carry
+        out = _model_step(params, pool, inputs, cfg=cfg, backend=backend, plan=plan, writes=writes)
+        pool = out["pool"] if writes else write_kv(pool, out["new_k"], out["new_v"], slots)
+        sampled = out["tokens"][:, 0]
+        tokens = tokens.at[i].set(sampled)
+        gaps = gaps.at[i].set(out["gaps"][:, 0].astype(jnp.float32))
+        inputs, slots = advance(inputs, sampled, block_size, pad_slot)
+        return pool, inputs, slots, tokens, gaps
+
+    carry = (pool, inputs, slot_mapping, tokens, gaps)
+    pool, _, _, tokens, gaps = jax.lax.fori_loop(0, num_steps, body, carry)
+    return {"pool": pool, "tokens": tokens, "gaps": gaps}
+
+
 _STATIC = ("cfg", "backend", "plan")
 model_step = jax.jit(_model_step, static_argnames=_STATIC)
 # The step whose attention stores the new K/V itself, into the pool it is given (donated).
 model_step_writing = jax.jit(
     functools.partial(_model_step, writes=True), static_argnames=_STATIC, donate_argnums=1
+)
+# Several decode steps in one call (``num_scheduler_steps``), the pool donated.
+model_multi_step = jax.jit(
+    _multi_step,
+    static_argnames=(*_STATIC, "writes", "max_steps", "block_size", "pad_slot"),
+    donate_argnums=1,
 )
 write_kv_jit = jax.jit(write_kv, donate_argnums=0)
 copy_blocks_jit = jax.jit(copy_blocks, donate_argnums=0)

@@ -227,6 +227,8 @@ def forward(
             "no forward pass is implemented for it"
         )
     x = params["embed"][tokens]  # [B, T, D]
+    if x.dtype == jnp.uint16:  # a bfloat16 table kept as its codes (native.gemm.pack_params)
+        x = jax.lax.bitcast_convert_type(x, jnp.bfloat16)
     cos, sin = rope_cos_sin(jnp.maximum(positions, 0), cfg)  # [B, T, E]
 
     delta = None
