@@ -271,7 +271,8 @@ class Ours:
     ``largest`` (``run(b)``: one row), so that it can take turns with llama.cpp per batch
     size. ``gemm``: "xla" (XLA's dots), else the native kernels' ``$RESEARCH_GEMM_KERNEL``
     ("auto", "vector", "amx"). ``quantization="gguf"``: the GGUF's Q4_1 / Q8_0 blocks as
-    stored (``dtype`` is then the activations')."""
+    stored (``dtype`` is then the activations'). ``num_scheduler_steps``: decode steps per
+    call (vLLM's multi-step scheduling; 1: one step per call, as llama-batched-bench decodes)."""
 
     def __init__(
         self,
@@ -283,6 +284,7 @@ class Ours:
         seed: int = 0,
         gemm: str = "auto",
         quantization: str | None = None,
+        num_scheduler_steps: int = 1,
     ):
         import numpy as np
 
@@ -299,6 +301,7 @@ class Ours:
             max_num_batched_tokens=largest * npp,
             enable_prefix_caching=False,
             num_kv_blocks=largest * -(-(npp + ntg + 1) // 16) + 1,  # every sequence, none preempted
+            num_scheduler_steps=num_scheduler_steps,
         )
         self.sp = SamplingParams(max_tokens=ntg + 1, temperature=0.0, ignore_eos=True)
         self.rng = np.random.default_rng(seed)
@@ -436,6 +439,9 @@ def main(argv: list[str] | None = None) -> None:
                         "formats)")  # fmt: skip
     parser.add_argument("--gemm", default="auto", choices=("auto", "vector", "amx", "xla"),
                         help="our projections' kernel")  # fmt: skip
+    parser.add_argument("--num-scheduler-steps", type=int, nargs="+", default=[1],
+                        help="ours with each: decode steps a call (vLLM's multi-step "
+                        "scheduling); 1 decodes a step a call, as llama-batched-bench does")  # fmt: skip
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--binary", help=f"a built {BINARY}")
     parser.add_argument("--build", metavar="DIR", help=f"build {BINARY} here (once) and use it")
@@ -479,8 +485,12 @@ def main(argv: list[str] | None = None) -> None:
         groups.append((gguf, "Q4_1", q4))
     for dtype in args.dtype:
         path = requantize(quantize, gguf, dtype, weights_dir)
-        ours = Ours(*model_args(dtype), gemm=args.gemm)
-        groups.append((path, GGUF_TYPES[dtype], [(f"ours {dtype} ({args.gemm})", ours)]))
+        mine = []
+        for n in args.num_scheduler_steps:
+            ours = Ours(*model_args(dtype), gemm=args.gemm, num_scheduler_steps=n)
+            steps = "" if n == 1 else f", {n} steps a call"
+            mine.append((f"ours {dtype} ({args.gemm}{steps})", ours))
+        groups.append((path, GGUF_TYPES[dtype], mine))
         if args.gemm != "xla":
             print(f"ours {dtype}: projections through {gemm.describe(dtype)}")
 
