@@ -159,6 +159,11 @@ def test_look_ahead_takes_free_blocks_only_and_respects_lengths():
     plan = sched.schedule()
     assert sched.extend_decodes(plan, 8, max_model_len=9) == 2  # 7 tokens: 2 more fit
 
+    sched, seqs = _decoding(16, [4, 4])
+    seqs[1].sampling_params = SamplingParams(max_tokens=100, logprobs=2)
+    plan = sched.schedule()
+    assert sched.extend_decodes(plan, 8, max_model_len=64) == 1  # its logprobs, every step
+
 
 def test_num_scheduler_steps_is_checked():
     with pytest.raises(ValueError, match="num_scheduler_steps"):

@@ -188,7 +188,8 @@ class Scheduler:
         up to ``max_steps`` steps in one call, each row's sample its next token. Every row gets
         its slots for them now (never by preempting anyone: if the pool cannot hold them all,
         the plan stays one step). No row runs past its ``max_tokens`` or ``max_model_len``:
-        the steps are as many as the row closest to either has left. Sets and returns ``plan.num_steps``."""
+        the steps are as many as the row closest to either has left; a row that wants
+        ``logprobs`` keeps the plan at one step. Sets and returns ``plan.num_steps``."""
         if max_steps <= 1 or not plan.decodes or plan.prefills or plan.verifies:
             return plan.num_steps
         rows = plan.decodes
@@ -210,6 +211,8 @@ class Scheduler:
     @staticmethod
     def _steps_left(seq: Sequence, max_model_len: int) -> int:
         sp = seq.sampling_params
+        if sp.logprobs is not None:  # a call of several steps returns no log-probabilities
+            return 1
         return min(sp.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens)
 
     @staticmethod
