@@ -413,17 +413,10 @@ class Engine:
         if m.first_token_time is None:
             m.first_token_time = now
         try:
-            for k, (token, gap) in enumerate(
-                zip(result.steps[rid], result.steps_top2_gaps[rid], strict=True)
-            ):
-                seq.num_computed_tokens = item.start + k + 1
-                m.token_times.append(now)
-                seq.top2_gaps.append(gap)
-                self.outputs.append_and_check_stop(seq, token)
-                if seq.finish_reason is not None:
-                    break
+            appended = self._append(seq, result.steps[rid], result.steps_top2_gaps[rid], now)
         except Exception as error:  # e.g. a detokenizer error: this request's alone
             return self._fail(seq, f"{type(error).__name__}: {error}")
+        seq.num_computed_tokens = item.start + appended  # each appended token's input
         self.block_manager.cache_full_blocks(seq)
         if seq.finish_reason is not None:
             self._finish(seq)
@@ -445,12 +438,7 @@ class Engine:
         if m.first_token_time is None:
             m.first_token_time = now
         try:
-            for token, gap in zip(tokens, gaps, strict=True):
-                m.token_times.append(now)
-                seq.top2_gaps.append(gap)
-                self.outputs.append_and_check_stop(seq, token)
-                if seq.finish_reason is not None:
-                    break
+            self._append(seq, tokens, gaps, now)
         except Exception as error:  # e.g. a detokenizer error: this request's alone
             self.scheduler.commit_verified(item, len(accepted))
             return self._fail(seq, f"{type(error).__name__}: {error}")
@@ -458,6 +446,17 @@ class Engine:
         if seq.finish_reason is not None:
             self._finish(seq)
         return self._output(seq)
+
+    def _append(self, seq: Sequence, tokens: list[int], gaps: list[float], now: float) -> int:
+        """Append ``tokens`` (and their top-2 gaps, each stamped ``now``) up to a stop; returns
+        how many were appended."""
+        for k, (token, gap) in enumerate(zip(tokens, gaps, strict=True)):
+            seq.metrics.token_times.append(now)
+            seq.top2_gaps.append(gap)
+            self.outputs.append_and_check_stop(seq, token)
+            if seq.finish_reason is not None:
+                return k + 1
+        return len(tokens)
 
     def _finish(self, seq: Sequence) -> None:
         if self.proposer is not None:
