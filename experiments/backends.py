@@ -59,6 +59,7 @@ class EngineBackend:
             extra = dict(
                 tensor_parallel_size=run.hardware.tensor_parallel_size,
                 enable_expert_parallel=run.hardware.enable_expert_parallel,
+                num_scheduler_steps=run.executor.num_scheduler_steps,
             )
         engine_kwargs = (
             dict(
@@ -366,6 +367,8 @@ class ReplicasBackend(HTTPBackend):
             flags += ["--num-kv-blocks", str(c.num_kv_blocks)]
         if q.quantization:
             flags += ["--quantization", q.quantization]
+        if run.executor.num_scheduler_steps > 1:
+            flags += ["--num-scheduler-steps", str(run.executor.num_scheduler_steps)]
         cores = len(os.sched_getaffinity(0))
         if cores >= h.num_replicas:
             flags += ["--cpus-per-replica", str(cores // h.num_replicas)]

@@ -123,6 +123,7 @@ def run_point(
         "attention_backend": getattr(backend, "attention_backend", run.executor.attention_backend),
         "attention_backend_reason": _attention_reason(backend),
         "gemm_backend": getattr(backend, "gemm_backend", run.executor.gemm_backend),
+        "num_scheduler_steps": run.executor.num_scheduler_steps,
         "dataset": w.dataset,
         "input_len": w.input_len,
         "output_len": w.output_len,

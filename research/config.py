@@ -402,10 +402,21 @@ class ExecutorConfig:
     enforce_eager: bool = False
     # real: JAX's persistent compilation cache (null: off), so a second run skips XLA compiles
     compilation_cache_dir: str | None = "~/.cache/research/jax"
+    # real: decode steps one call may run (vLLM's multi-step scheduling; 1: one a call)
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in EXECUTORS:
             raise ValueError(f"executor kind must be one of {EXECUTORS}, got {self.kind!r}")
+        n = self.num_scheduler_steps
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"executor.num_scheduler_steps must be an integer >= 1, got {n!r}")
+        if n > 1 and self.kind != "real":
+            raise ValueError(
+                f"executor.num_scheduler_steps={n} runs on the real executor, not "
+                f"{self.kind!r} (the simulator prices one step a token; a server takes "
+                "--num-scheduler-steps itself)"
+            )
 
 
 @dataclass(frozen=True)

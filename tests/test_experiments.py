@@ -95,6 +95,7 @@ def test_sweep_writes_results_plots_and_offline_wandb(tmp_path):
         assert p["completed"] == 2 * c and p["failed"] == 0
         assert p["output_throughput"] > 0 and p["per_user_tok_s"] > 0
         assert p["executor"] == "real" and p["model"] == "tiny-llama"
+        assert p["num_scheduler_steps"] == 1
         assert 0.0 <= p["host_overhead_fraction"] < 1.0
         # every step shape compiled before the clock, even with mixed lengths
         assert p["step_traces"] == 0 and p["new_compilations"] == 0

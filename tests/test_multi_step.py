@@ -210,3 +210,62 @@ def test_bf16_multi_step_reads_the_embedding_as_stored():
     assert temp < vocab * dim * 2, f"{temp / 2**20:.0f} MiB of temporaries"
     del compiled
     jax.clear_caches()
+
+
+def test_serving_runs_single_steps_while_the_loop_compiles(smollm2_llm, monkeypatch):
+    """When serving (``compile_in_background``) a loop not compiled yet compiles in the
+    background and the steps run one a call meanwhile (the same tokens); once it is ready the
+    calls run several steps."""
+    import threading
+
+    prompts, sps = _requests(smollm2_llm)
+    reference = _engine(smollm2_llm, 1).generate(prompts, sps)
+    engine = _engine(smollm2_llm, 4)
+    compiler = engine.executor.compiler
+    compiler.compile_in_background = True
+    release = threading.Event()
+    compile_multi = compiler._compile_multi
+
+    def held(shape, lower):
+        release.wait(timeout=600)
+        compile_multi(shape, lower)
+
+    monkeypatch.setattr(compiler, "_compile_multi", held)
+    single = _engine(smollm2_llm, 1)
+    _same(single.generate(prompts, sps), reference)
+    _same(engine.generate(prompts, sps), reference)
+    assert engine.num_steps == single.num_steps and not compiler.multi  # one step a call
+    release.set()
+    assert engine.executor.wait_for_background_compiles(600)
+    assert compiler.multi
+    steps = engine.num_steps
+    _same(engine.generate(prompts, sps), reference)
+    assert engine.num_steps - steps < single.num_steps
+
+
+def test_precompile_compiles_the_loops(smollm2_llm):
+    """``precompile`` of a workload's step shapes compiles the multi-step loop of each shape a
+    step of decodes only takes, so the timed run traces nothing."""
+    from research.engine.step import STEP_TRACES
+
+    prompts, sps = _requests(smollm2_llm)
+    first = _engine(smollm2_llm, 4)
+    reference = first.generate(prompts, sps)
+    shapes = first.executor.compiler.shapes | set(first.executor.compiler.multi)
+    assert first.executor.compiler.multi
+    engine = _engine(smollm2_llm, 4)
+    engine.executor.precompile(shapes)
+    assert set(engine.executor.compiler.multi) >= set(first.executor.compiler.multi)
+    traces, compiles = STEP_TRACES[0], engine.executor.compiler.step_compiles
+    _same(engine.generate(prompts, sps), reference)
+    assert STEP_TRACES[0] == traces and engine.executor.compiler.step_compiles == compiles
+
+
+def test_executor_config_takes_num_scheduler_steps_on_the_real_executor_only():
+    from research.config import ExecutorConfig
+
+    assert ExecutorConfig(num_scheduler_steps=8).num_scheduler_steps == 8
+    with pytest.raises(ValueError, match="real executor"):
+        ExecutorConfig(kind="simulated", num_scheduler_steps=8)
+    with pytest.raises(ValueError, match="integer >= 1"):
+        ExecutorConfig(num_scheduler_steps=0)

@@ -34,6 +34,7 @@ SERIES_AXES = (
     "executor",
     "attention_backend",
     "gemm_backend",
+    "num_scheduler_steps",
     "scheduling_policy",
     "block_size",
     "enable_prefix_caching",

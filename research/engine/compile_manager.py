@@ -96,7 +96,9 @@ class CompileManager:
         self.compile_in_background = False
         self.covered_calls = 0  # steps run padded to a cover
         self.step_compiles = 0  # shapes first compiled inside a step (a step that waited)
-        self._pending: set[Shape] = set()
+        # Multi-step loops (``num_scheduler_steps``): step shape -> executable.
+        self.multi: dict[Shape, Any] = {}
+        self._pending: set[Any] = set()  # shapes, and ("multi", shape) for the loops
         self._lock = threading.Lock()
         self._compiler: ThreadPoolExecutor | None = None
 
@@ -196,6 +198,43 @@ class CompileManager:
                 self.step_compiles += 1  # jitted by this step: it waits for the compile
             self.shapes.add(shape)
             return shape, self.compiled.get(shape), self.writes.get(shape[0])
+
+    def resolve_multi(
+        self, shape: Shape, lower: Callable[[], Any], ahead: bool = False
+    ) -> Any | None:
+        """The compiled multi-step loop for ``shape`` (``lower()`` compiles it). Outside serving
+        it compiles now (``ahead``: before the steps, not inside one); when serving it compiles
+        in the background and None says to run one step meanwhile."""
+        with self._lock:
+            compiled = self.multi.get(shape)
+        if compiled is not None:
+            return compiled
+        if ahead or not self.compile_in_background:
+            compiled = lower()
+            with self._lock:
+                self.step_compiles += not ahead
+                self.multi[shape] = compiled
+            return compiled
+        key = ("multi", shape)
+        with self._lock:
+            if key in self._pending:
+                return None
+            self._pending.add(key)
+            if self._compiler is None:
+                self._compiler = ThreadPoolExecutor(1, thread_name_prefix="step-compiler")
+        self._compiler.submit(self._compile_multi, shape, lower)
+        return None
+
+    def _compile_multi(self, shape: Shape, lower: Callable[[], Any]) -> None:
+        try:
+            compiled = lower()
+            with self._lock:
+                self.multi[shape] = compiled
+        except Exception:  # single steps keep serving; the next miss retries
+            logger.exception("background compile of the multi-step loop at %s failed", shape)
+        finally:
+            with self._lock:
+                self._pending.discard(("multi", shape))
 
     def wait_for_background(self, timeout: float = 120.0) -> bool:
         """Block until no background compile is pending (True) or ``timeout`` passes."""

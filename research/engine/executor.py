@@ -28,6 +28,7 @@ from research.engine.call_params import compact
 from research.engine.compile_manager import (  # noqa: F401 (re-exported)
     CompileManager,
     Shape,
+    _spec,
     bucket,
     context_bucket,
     lower_step,
@@ -299,8 +300,10 @@ class ModelExecutor:
         calls = self.step_calls
         if rows:
             kernels = native.kernel_seconds()
-            run = self._run if plan.num_steps == 1 else self._run_steps
-            result.device_time = run(rows, result, plan.num_steps)
+            if plan.num_steps > 1:
+                result.device_time = self._run_steps(rows, result, plan)
+            else:
+                result.device_time = self._run(rows, result)
             result.kernel_time = native.kernel_seconds() - kernels
         result.forward_passes = self.step_calls - calls  # each call is one forward
         result.duration = time.perf_counter() - t0
@@ -338,20 +341,25 @@ class ModelExecutor:
             return "a model with sliding-window layers runs one decode step per call"
         return None
 
-    def _run_steps(self, rows: list[ScheduledSeq], out: StepResult, num_steps: int) -> float:
-        """``num_steps`` decode steps of ``rows`` in one call (``model_multi_step``, compiled
-        per step shape for at most ``num_scheduler_steps`` steps); returns its seconds."""
+    def _run_steps(self, rows: list[ScheduledSeq], out: StepResult, plan: StepPlan) -> float:
+        """``plan.num_steps`` decode steps of ``rows`` in one call (``model_multi_step``,
+        compiled per step shape for at most ``num_scheduler_steps`` steps); returns its
+        seconds. When serving, a loop still compiling in the background leaves the call one
+        step (``plan.num_steps`` = 1: what ran)."""
+        num_steps = plan.num_steps
         if num_steps > self.num_scheduler_steps or any(item.num_new_tokens != 1 for item in rows):
             raise ValueError(f"{num_steps} steps of {len(rows)} rows: decodes only, at most "
                              f"num_scheduler_steps = {self.num_scheduler_steps}")  # fmt: skip
-        host = self.batch.prepare(rows, self.compiler.shape_for(rows))
+        shape = self.compiler.shape_for(rows)
+        host = self.batch.prepare(rows, shape)
+        args = (self._call_params, self.pool, host.inputs, host.slot_mapping, np.int32(num_steps))
+        compiled = self.compiler.resolve_multi(shape, self._multi_lowering(args))
+        if compiled is None:
+            plan.num_steps = 1
+            return self._run(rows, out)
         self.step_calls += num_steps
         t0 = time.perf_counter()
-        res = model_multi_step(
-            self._call_params, self.pool, host.inputs, host.slot_mapping, np.int32(num_steps),
-            **self._static(), writes=self.writes_in_step, max_steps=self.num_scheduler_steps,
-            block_size=self.block_size, pad_slot=self.batch.pad_slot,
-        )  # fmt: skip
+        res = compiled(*args)
         self.pool = res["pool"]
         tokens, gaps = to_host(res["tokens"]), to_host(res["gaps"])
         device_time = time.perf_counter() - t0
@@ -362,7 +370,17 @@ class ModelExecutor:
             out.tokens[rid], out.top2_gaps[rid] = out.steps[rid][-1], out.steps_top2_gaps[rid][-1]
         return device_time
 
-    def _run(self, rows: list[ScheduledSeq], out: StepResult, num_steps: int = 1) -> float:
+    def _multi_lowering(self, args: tuple[Any, ...]) -> Any:
+        """A function compiling the multi-step loop for ``args``' shapes (taken now, on this
+        thread: the input batch is not thread-safe)."""
+        specs = jax.tree_util.tree_map(_spec, args)
+        static = dict(
+            self._static(), writes=self.writes_in_step, max_steps=self.num_scheduler_steps,
+            block_size=self.block_size, pad_slot=self.batch.pad_slot,
+        )  # fmt: skip
+        return lambda: model_multi_step.lower(*specs, **static).compile()
+
+    def _run(self, rows: list[ScheduledSeq], out: StepResult) -> float:
         """Pack, run and unpack the step; returns the seconds spent in the jitted calls."""
         host, res, t0 = self._call(
             self.compiler.shape_for(rows), functools.partial(self.batch.prepare, rows)
@@ -414,8 +432,16 @@ class ModelExecutor:
         """Compile every (N, R, M) of ``shapes`` not compiled yet by running a step that is all
         padding (nothing is written to the pool, nothing is sampled for anyone); returns how
         many were compiled. ``research.engine.shapes.predict_step_shapes`` says which shapes a
-        workload will use."""
-        todo = sorted(set(shapes) - self.compiler.shapes)
+        workload will use. With ``num_scheduler_steps`` > 1 the multi-step loop of each shape a
+        step of decodes only takes (N = R) is compiled too (not run)."""
+        shapes = set(shapes)
+        todo = sorted(shapes - self.compiler.shapes)
+        for shape in sorted(shapes) if self.num_scheduler_steps > 1 else []:
+            n, r, _ = shape
+            if n == r and shape not in self.compiler.multi:  # a step of decodes only: its loop
+                host = self.batch.padding(shape)
+                args = (self._call_params, self.pool, host.inputs, host.slot_mapping, np.int32(1))
+                self.compiler.resolve_multi(shape, self._multi_lowering(args), ahead=True)
         for i, shape in enumerate(todo):
             t0 = time.perf_counter()
             _, res, _ = self._call(shape, self.batch.padding, exact=True)

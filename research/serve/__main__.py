@@ -35,6 +35,7 @@ def _llm(model: str, args: argparse.Namespace) -> object:
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         speculative_config=args.speculative_config,
+        num_scheduler_steps=args.num_scheduler_steps,
     )
 
 
@@ -78,6 +79,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=1,
+        help="decode steps one call may run (vLLM's multi-step scheduling); new requests join "
+        "between calls",
+    )
     parser.add_argument(
         "--speculative-config",
         type=json.loads,
