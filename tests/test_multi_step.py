@@ -99,6 +99,16 @@ def test_multi_step_gives_the_tokens_of_one_step_per_call(smollm2_llm, attention
     assert multi.block_manager.num_free_blocks == multi.block_manager.num_blocks
 
 
+def test_multi_step_with_fp8_pages_gives_the_tokens_of_one_step_per_call(smollm2_llm):
+    """fp8 pages: the loop stores each step's K/V quantized (the ``write_kv`` branch, as the
+    step's own call does) and reads them back as one step a call would."""
+    prompts, sps = _requests(smollm2_llm)
+    reference = _engine(smollm2_llm, 1, kv_cache_dtype="fp8").generate(prompts, sps)
+    multi = _engine(smollm2_llm, 4, kv_cache_dtype="fp8")
+    _same(reference, multi.generate(prompts, sps))
+    assert not multi.executor.writes_in_step
+
+
 def test_multi_step_under_memory_pressure_loses_nothing(smollm2_llm):
     """A pool too small for every request at once: preemption by recompute, look-ahead slots
     only where the pool has room, freed blocks refilled with NaN (a read of one would poison a
