@@ -99,6 +99,7 @@ def test_multi_step_gives_the_tokens_of_one_step_per_call(smollm2_llm, attention
     assert multi.block_manager.num_free_blocks == multi.block_manager.num_blocks
 
 
+@pytest.mark.slow  # two more compiles of SmolLM2's step; the XLA variant above is slow too
 def test_multi_step_with_fp8_pages_gives_the_tokens_of_one_step_per_call(smollm2_llm):
     """fp8 pages: the loop stores each step's K/V quantized (the ``write_kv`` branch, as the
     step's own call does) and reads them back as one step a call would."""
