@@ -215,26 +215,13 @@ class CompileManager:
                 self.step_compiles += not ahead
                 self.multi[shape] = compiled
             return compiled
-        key = ("multi", shape)
-        with self._lock:
-            if key in self._pending:
-                return None
-            self._pending.add(key)
-            if self._compiler is None:
-                self._compiler = ThreadPoolExecutor(1, thread_name_prefix="step-compiler")
-        self._compiler.submit(self._compile_multi, shape, lower)
+        self._background(("multi", shape), self._compile_multi, shape, lower)
         return None
 
     def _compile_multi(self, shape: Shape, lower: Callable[[], Any]) -> None:
-        try:
-            compiled = lower()
-            with self._lock:
-                self.multi[shape] = compiled
-        except Exception:  # single steps keep serving; the next miss retries
-            logger.exception("background compile of the multi-step loop at %s failed", shape)
-        finally:
-            with self._lock:
-                self._pending.discard(("multi", shape))
+        compiled = lower()
+        with self._lock:
+            self.multi[shape] = compiled
 
     def wait_for_background(self, timeout: float = 120.0) -> bool:
         """Block until no background compile is pending (True) or ``timeout`` passes."""
@@ -248,21 +235,33 @@ class CompileManager:
 
     def _compile_later(self, shape: Shape) -> None:
         with self._lock:
-            if shape in self._pending or shape in self.shapes:
+            if shape in self.shapes:
                 return
-            self._pending.add(shape)
-            if self._compiler is None:
-                self._compiler = ThreadPoolExecutor(1, thread_name_prefix="step-compiler")
-        self._compiler.submit(self._compile_in_background, shape)
+        self._background(shape, self._compile_in_background, shape)
 
     def _compile_in_background(self, shape: Shape) -> None:
+        self.store(shape, *self._lower(shape))
+
+    def _background(self, key: Any, compile_: Callable[..., None], *args: Any) -> None:
+        """``compile_(*args)`` on the compile thread, unless ``key`` (a step shape, or
+        ("multi", shape) for a loop) is pending already. A failure is logged: the cover, or
+        single steps, keep serving and the next miss retries."""
+        with self._lock:
+            if key in self._pending:
+                return
+            self._pending.add(key)
+            if self._compiler is None:
+                self._compiler = ThreadPoolExecutor(1, thread_name_prefix="step-compiler")
+        self._compiler.submit(self._run_background, key, compile_, args)
+
+    def _run_background(self, key: Any, compile_: Callable[..., None], args: tuple) -> None:
         try:
-            self.store(shape, *self._lower(shape))
-        except Exception:  # the covering shape keeps serving; the next miss retries
-            logger.exception("background compile of step shape %s failed", shape)
+            compile_(*args)
+        except Exception:
+            logger.exception("background compile of %s failed", key)
         finally:
             with self._lock:
-                self._pending.discard(shape)
+                self._pending.discard(key)
 
 
 def lower_step(step: Any, write: Any, args: tuple[Any, ...], static: dict[str, Any]) -> Any:

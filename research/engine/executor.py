@@ -353,7 +353,9 @@ class ModelExecutor:
         shape = self.compiler.shape_for(rows)
         host = self.batch.prepare(rows, shape)
         args = (self._call_params, self.pool, host.inputs, host.slot_mapping, np.int32(num_steps))
-        compiled = self.compiler.resolve_multi(shape, self._multi_lowering(args))
+        compiled = self.compiler.multi.get(shape)  # the lowering's specs only when missing
+        if compiled is None:
+            compiled = self.compiler.resolve_multi(shape, self._multi_lowering(args))
         if compiled is None:
             plan.num_steps = 1
             return self._run(rows, out)
