@@ -368,9 +368,9 @@ def test_speculation_gain_falls_once_compute_binds_and_crosses_below_one():
 def test_a_machine_without_its_own_calibration_says_whose_it_uses():
     """hardware=h200 prices with GB10's fitted efficiencies: a warning says so (once per
     machine), and calibration_of names the machine the parameters come from."""
-    from research.perf import calibration
+    from research.perf import calibration, fits
 
-    calibration._warn_borrowed.cache_clear()
+    fits.warn_borrowed.cache_clear()
     with pytest.warns(UserWarning, match="'h200' has no calibration of its own"):
         CostModel("llama-3.3-70b", "awq", "h200")
     assert calibration.calibration_of("h200") == "gb10"

@@ -12,7 +12,7 @@ import pytest
 
 from research.perf import routing
 from research.perf.cost_model import CostModel, StepShape
-from research.perf.validation import (
+from research.perf.llama_cpp_fit import (
     DATA,
     GGUF_MODELS,
     LLAMA_CPP_SOURCES,

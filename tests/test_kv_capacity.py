@@ -28,10 +28,6 @@ from research.perf import (
 )
 from research.perf.vllm_kv import (
     VLLM_TOKEN_REPORTS,
-    check_vllm_log,
-    format_kv_validation,
-    load_gb10_vllm_logs,
-    main,
     vllm_available_kv_bytes,
     vllm_estimated_max_model_len,
     vllm_kv_bytes_needed,
@@ -39,6 +35,12 @@ from research.perf.vllm_kv import (
     vllm_kv_groups,
     vllm_page_size_bytes,
     vllm_requested_bytes,
+)
+from research.perf.vllm_kv_logs import (
+    check_vllm_log,
+    format_kv_validation,
+    load_gb10_vllm_logs,
+    main,
 )
 
 GiB = 2**30

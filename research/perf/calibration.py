@@ -29,16 +29,14 @@ assumption, not a fit. Pure Python (scipy for the least squares); JAX is not imp
 
 from __future__ import annotations
 
-import functools
-import logging
 import math
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from research.config import ModelConfig
 from research.perf.cost_model import CostModel, CostParams, StepShape
+from research.perf.fits import calibrated_machines, calibration_of, fit, params_for
 from research.perf.hardware import Hardware, get_hardware
 
 FITTED = (
@@ -178,41 +176,6 @@ def fit_calibration(
     return _params(fit.x, base)
 
 
-@functools.cache
-def _calibrated() -> dict[str, CostParams]:
-    return {"gb10": fit_calibration(CALIBRATION_POINTS)}
-
-
-def calibration_of(hardware: str | Hardware) -> str:
-    """The machine whose measurements ``hardware``'s cost-model parameters were fitted on: its
-    own name, or ``"gb10"`` where it has no calibration of its own."""
-    name = get_hardware(hardware).name
-    return name if name in _calibrated() else "gb10"
-
-
-@functools.cache
-def _warn_borrowed(name: str) -> None:
-    message = (
-        f"hardware {name!r} has no calibration of its own: its cost model uses the efficiencies "
-        "and host overheads fitted on GB10 measurements (research/perf/calibration.py). Its "
-        "peaks are its own, but every efficiency is GB10's: treat its figures as a GB10-shaped "
-        "extrapolation, not a prediction for that machine"
-    )
-    warnings.warn(message, stacklevel=3)
-    logging.getLogger(__name__).warning(message)
-
-
-def params_for(hardware: str | Hardware) -> CostParams:
-    """The calibration of ``hardware``, or GB10's where the machine has none (an assumption:
-    efficiencies and overheads carried over, not fitted to that machine; said once per machine
-    as a warning, and in every results row as ``calibration``)."""
-    calibrated = _calibrated()
-    name = get_hardware(hardware).name
-    if name not in calibrated:
-        _warn_borrowed(name)
-    return calibrated.get(name, calibrated["gb10"])
-
-
 def predict_single_stream(
     model: str | ModelConfig,
     quantization: str | None,
@@ -327,16 +290,17 @@ def main() -> None:
 
 
 def __getattr__(name: str) -> Any:
-    if name == "CALIBRATED":  # fitted on first use, not at import
-        return _calibrated()
+    if name == "CALIBRATED":  # the stored fit of every calibrated machine (research.perf.fits)
+        return {m: fit(m) for m in calibrated_machines()}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = [  # noqa: F822 (CALIBRATED is fitted on first use, by __getattr__)
+__all__ = [  # noqa: F822 (CALIBRATED is read on first use, by __getattr__)
     "ASSUMED_PER_SEQ_OVERHEAD_S",
     "CALIBRATED",
     "CALIBRATION_POINTS",
     "CalibrationPoint",
+    "calibration_of",
     "calibration_report",
     "efficiency_table",
     "fit_calibration",

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from research.perf.cost_model import CostModel, CostParams
-from research.perf.validation import DATA, _records
+from research.perf.measurements import DATA, records
 
 # The sources the vLLM profile replays: the checkpoint our preset stands for and the run's flags.
 VLLM_SOURCES: dict[str, dict[str, Any]] = {
@@ -44,6 +44,11 @@ VLLM_SOURCES: dict[str, dict[str, Any]] = {
         "max_model_len": 4096,
         "client": "llama-benchy",
         "token_source": "random",  # llama-benchy's prompts are random token ids
+        # vllm-node-mxfp4: the community MXFP4 build (eugr/spark-vllm-docker 'mxfp4' flavour,
+        # NVIDIA developer forum thread 356651 p.7: its MXFP4 kernels 'only exist in his
+        # original container and inside my build'), FlashInfer CUTLASS block-scaled MXFP4
+        # instead of the Marlin fallback of vLLM's published images (vllm#43969, #51158).
+        "gemm_kernels": {"dense": "cutlass_fp4", "expert": "cutlass_fp4"},
     },
 }
 
@@ -78,7 +83,7 @@ def load_burst_points() -> tuple[BurstPoint, ...]:
             published=r["tg128_tok_s"],
             raw_row=r.get("raw_row", ""),
         )
-        for r in _records(DATA)
+        for r in records(DATA)
         if r["source"] in VLLM_SOURCES and "tg128_tok_s" in r
     )
 
@@ -103,6 +108,8 @@ def serving(source: str) -> Any:
 def cost_model(source: str, params: CostParams, **options: Any) -> CostModel:
     s = VLLM_SOURCES[source]
     profile = serving(source).cost_model_options | {"params": params}
+    if "gemm_kernels" in s:  # the build's kernels, where they differ from the profile's
+        profile["gemm_kernels"] = s["gemm_kernels"]
     return CostModel(
         s["preset"],
         s["quantization"],

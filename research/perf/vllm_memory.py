@@ -21,7 +21,7 @@ and the machine instead of reading it off a log (vllm/v1/worker/gpu_worker.py
   (weights + non-torch)" (qwen3-0.6b: 3.35 GiB consumed - 1.11 GiB of weights), so that record
   is fitted, not a check.
 - ``forward_peak``: one forward of ``max_num_batched_tokens`` tokens
-  (``kv_capacity.activation_elements_per_token``). No sampler term: the same log leaves 0.26
+  (``activations.activation_elements_per_token``). No sampler term: the same log leaves 0.26
   GiB for transient peak + CUDA graphs, less than the float32 logits of the dummy sampler's
   1,024 rows alone (0.58 GiB), so the sampler's peak does not stack on the forward's.
 - ``cudagraphs``: 0 for the vLLM version the profile cites (0.12 captures graphs after the KV
@@ -38,15 +38,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from research.config import ModelConfig
-from research.perf.hardware import GiB, Hardware, get_hardware
-from research.perf.kv_capacity import (
+from research.perf.activations import (
     activation_elements_per_token,
     dtype_bytes,
     resolve_model,
     vllm_batch_defaults,
-    weight_bytes,
 )
-from research.perf.vllm_kv import VLLM_BLOCK_SIZE, VllmKVCache, vllm_kv_cache_tokens
+from research.perf.hardware import GiB, Hardware, get_hardware
+from research.perf.kv_capacity import weight_bytes
+from research.perf.vllm_kv import (
+    VLLM_BLOCK_SIZE,
+    VllmKVCache,
+    vllm_estimated_max_model_len,
+    vllm_kv_cache_tokens,
+)
 
 # cudaMemGetInfo's total on a GB10, by driver (see the module notes).
 GB10_REPORTED_TOTAL = {
@@ -162,13 +167,11 @@ def vllm_memory_profile(
 
 
 def check_record(record: dict[str, Any]) -> dict[str, Any]:
-    """One GB10 log record (``vllm_kv.load_gb10_vllm_logs``) against the memory profile from
+    """One GB10 log record (``vllm_kv_logs.load_gb10_vllm_logs``) against the memory profile from
     nothing but the launch settings: the predicted available memory and the logged quantity
     (``record["compare"]``) recomputed from it. A CUDA-graph estimate the record relays
     (``logged["cudagraph_estimate_gib"]``) is charged; whether the record fitted
     ``NON_TORCH_BYTES`` is said (``fitted``)."""
-    from research.perf.vllm_kv import vllm_estimated_max_model_len
-
     logged = record["logged"]
     graphs = round(logged.get("cudagraph_estimate_gib", 0.0) * GiB)
     prof = vllm_memory_profile(

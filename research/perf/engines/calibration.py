@@ -5,56 +5,36 @@
   profile's mechanisms. SGLang and static batches have no public GB10 points in the set: they
   borrow this fit (their rows say so).
 - ``llama_cpp`` on ``gb10``: the fits of llama.cpp's DGX Spark page (``research.perf.
-  validation``, newest revision): the model's own where the page has it, else the mean of the
+  llama_cpp_fit``, newest revision): the model's own where the page has it, else the mean of the
   page's models. Ollama runs llama.cpp and borrows it.
-- any other machine borrows GB10's fit of the same engine (``calibration.params_for`` warns).
+- any other machine borrows GB10's fit of the same engine (``fits.params_for`` warns).
 
+Fits are read from ``research.perf.fits`` (stored by ``python -m research.perf.refit --write``).
 ``engine_params`` returns the parameters and the label every results row carries
-(``calibration``). Fits are cached per process.
+(``calibration``).
 """
 
 from __future__ import annotations
 
-import functools
 import statistics
 from dataclasses import fields, replace
 
-from research.perf.cost_model import CostParams
 from research.perf.engines.profiles import EngineProfile, get_profile
+from research.perf.fits import fit, llama_cpp_fits, warn_borrowed
 from research.perf.hardware import get_hardware
+from research.perf.params import CostParams
 
 LLAMA_CPP_REVISION = "llamacpp_dgx_spark_v3"
 
 
-@functools.cache
 def vllm_gb10_params() -> CostParams:
     """The vLLM single-request fit on GB10 under random-token routing (module docstring)."""
-    from research.perf.calibration import CALIBRATION_POINTS, fit_calibration
-
-    return fit_calibration(CALIBRATION_POINTS, **vllm_fit_options())
+    return fit("gb10/vllm")
 
 
-def vllm_fit_options() -> dict:
-    """The cost-model options the vLLM single-request points are priced with: the profile's
-    mechanisms and random-token routing (the points come from ``vllm bench serve``'s random
-    dataset)."""
-    from research.perf.routing import RANDOM_TOKEN_SIGMA
-
-    return {"moe_routing": "lognormal", "moe_load_sigma": RANDOM_TOKEN_SIGMA}
-
-
-@functools.cache
 def llama_cpp_gb10_fits() -> dict[str, CostParams]:
     """Preset name -> the llama.cpp profile's fit of that model on the page's newest revision."""
-    from research.perf import validation
-
-    rows, params = validation.validate()
-    del rows
-    return {
-        validation.GGUF_MODELS[model][0]: p
-        for (source, model), p in params.items()
-        if source == LLAMA_CPP_REVISION
-    }
+    return llama_cpp_fits("gb10")
 
 
 def _mean_params(ps: list[CostParams]) -> CostParams:
@@ -71,9 +51,7 @@ def engine_params(
     hw = get_hardware(hardware).name
     borrowed = "" if hw == "gb10" else f" (borrowed by {hw})"
     if hw != "gb10":
-        from research.perf.calibration import _warn_borrowed
-
-        _warn_borrowed(hw)
+        warn_borrowed(hw)
     if prof.calibration == "llama_cpp":
         fits = llama_cpp_gb10_fits()
         if model in fits:
@@ -91,4 +69,4 @@ def engine_params(
     return params, label + borrowed
 
 
-__all__ = ["engine_params", "llama_cpp_gb10_fits", "vllm_fit_options", "vllm_gb10_params"]
+__all__ = ["LLAMA_CPP_REVISION", "engine_params", "llama_cpp_gb10_fits", "vllm_gb10_params"]

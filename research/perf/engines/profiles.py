@@ -46,6 +46,16 @@ GGUF_WEIGHTS = {
     "mxfp4": "gguf_mxfp4",
 }
 LLAMA_CPP_SOURCE = "ggml-org/llama.cpp@0c1e57098"
+# vLLM's published images on GB10 (sm_121), 0.11 to 0.22: every 4-bit MoE runs Marlin (W4A16),
+# whatever the chip's FP4 path; NVFP4 dense layers run FlashInfer's CUTLASS FP4 GEMM; FP8 runs
+# W8A8 (CUTLASS scaled_mm dense, Triton FP8 MoE). Sources in VLLM.sources["gemm_kernels"].
+VLLM_GB10_KERNELS: dict[str | None, dict[str, str]] = {
+    None: {"dense": "tensor", "expert": "tensor"},
+    "awq": {"dense": "marlin", "expert": "marlin"},
+    "mxfp4": {"dense": "marlin", "expert": "marlin"},
+    "nvfp4": {"dense": "cutlass_fp4", "expert": "marlin"},
+    "fp8": {"dense": "cutlass_fp8", "expert": "cutlass_fp8"},
+}
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,9 @@ class EngineProfile:
     kv_read_block: int | None = None  # tokens per K/V read granule (None: the block size)
     # requested quantization -> the format the engine stores (None: any engine format as is)
     weight_formats: dict[str | None, str | None] | None = None
+    # machine -> stored format -> the kernel of its "dense" and "expert" GEMMs
+    # (research.perf.gemm.KERNELS); a machine or format not listed runs gemm.default_kernel
+    gemm_kernels: dict[str, dict[str | None, dict[str, str]]] = field(default_factory=dict)
     # how a paged pool is sized on a named machine: "vllm" (research.perf.vllm_memory: vLLM's
     # memory profile on the device's reported total) or "capacity" (kv_capacity's estimate)
     memory_profile: str = "capacity"
@@ -107,6 +120,11 @@ class EngineProfile:
             return (*common, "max_num_seqs", "block_size")
         return (*common, "parallel", "ctx_size")
 
+    def kernels_for(self, quantization: str | None, hardware: str | None) -> dict[str, str] | None:
+        """The GEMM kernels this engine runs ``quantization`` with on ``hardware`` (None: the
+        format's default kernels, ``research.perf.gemm.default_kernel``)."""
+        return self.gemm_kernels.get(hardware or "", {}).get(quantization)
+
     def describe(self) -> dict[str, Any]:
         """The profile as a results row records it."""
         return {"engine": self.name, "engine_version": self.engine}
@@ -125,7 +143,16 @@ VLLM = EngineProfile(
     gpu_memory_utilization=0.9,
     combine="max",
     memory_profile="vllm",
+    gemm_kernels={"gb10": VLLM_GB10_KERNELS},
     sources={
+        "gemm_kernels": "MXFP4 MoE on sm_121 -> Marlin: vllm@007d5005 model_executor/layers/"
+        "quantization/mxfp4.py get_mxfp4_backend (FlashInfer gated to SM90/SM100, Triton to "
+        "cc < 11), vllm#41477 (0.20: marlin the default, triton and flashinfer_cutlass fail on "
+        "GB10), vllm#43969 (0.22 images: MARLIN MoE backend), vllm#51158 ('silently fell back "
+        "to Marlin W4A16' on SM12x); NVFP4 MoE -> Marlin in published builds (vllm#50925), "
+        "dense -> FlashInfer CUTLASS FP4 (NVIDIA/dgx-spark-playbooks#91, NGC vllm 26.02/26.06); "
+        "AWQ -> awq_marlin (MarlinLinearKernel on a W4A16 checkpoint, NVIDIA developer forum "
+        "thread 361819); FP8 -> CUTLASS scaled_mm dense, TRITON Fp8 MoE backend (vllm#43507)",
         "scheduling_policy": "vllm/v1/core/sched/scheduler.py: one token budget shared by "
         "running decodes first, then waiting prompts, chunked",
         "prefix_cache": "vllm/v1/core/kv_cache_utils.py: hash of each FULL block chained to its "
@@ -241,7 +268,13 @@ SGLANG = EngineProfile(
     block_size=1,  # page_size 1: the radix tree matches any token prefix
     gpu_memory_utilization=0.9,
     kv_read_block=16,
+    gemm_kernels={
+        "gb10": VLLM_GB10_KERNELS | {"nvfp4": {"dense": "cutlass_fp4", "expert": "cutlass_fp4"}}
+    },
     sources={
+        "gemm_kernels": "sgl-project/sglang#17421: the SM120 cutlass_fp4_group_mm NVFP4 MoE "
+        "kernel dispatched for SM121; every other format as vLLM's images run it (an "
+        "assumption: no GB10 kernel log of SGLang in the set)",
         "prefix_cache": "python/sglang/srt/mem_cache/radix_cache.py: RadixAttention, on by "
         "default, matches token prefixes at page_size granularity",
         "block_size": "python/sglang/srt/server_args.py: page_size 1",

@@ -223,27 +223,40 @@ def resolve(
     return _with_costs(serving, hardware, model, token_source)
 
 
-def _with_costs(serving: Serving, hardware: str, model: str, token_source: str) -> Serving:
-    from research.perf.engines.calibration import engine_params
+def mechanism_options(
+    prof: EngineProfile, hardware: str, model: str, quantization: str | None,
+    token_source: str, block_size: int,
+) -> dict[str, Any]:  # fmt: skip
+    """The cost-model options of ``prof``'s mechanisms (no parameters): the routing law of the
+    workload's tokens, how operators combine, expert tiles, graph replay, the KV read granule
+    and the GEMM kernels it runs ``quantization`` with on ``hardware``."""
     from research.perf.routing import routing_for
 
-    prof = serving.profile
     law, shape = routing_for(model, token_source)
-    params, label = engine_params(prof, hardware, model)
-    options: dict[str, Any] = {
-        "params": params,
+    return {
         "moe_routing": law,
         "moe_load_sigma": shape,
         "combine": prof.combine,
         "expert_tiles": prof.expert_tiles,
         "graph_max_tokens": prof.graph_max_tokens if prof.eager_layer_overhead else None,
-        "block_size": prof.kv_read_block or serving.block_size,
+        "block_size": prof.kv_read_block or block_size,
+        "gemm_kernels": prof.kernels_for(quantization, hardware),
     }
+
+
+def _with_costs(serving: Serving, hardware: str, model: str, token_source: str) -> Serving:
+    from research.perf.engines.calibration import engine_params
+
+    prof = serving.profile
+    options = mechanism_options(
+        prof, hardware, model, serving.quantization, token_source, serving.block_size
+    )
+    params, label = engine_params(prof, hardware, model)
     return replace(
         serving,
-        cost_model_options=options,
-        routing=law,
-        routing_shape=shape,
+        cost_model_options={"params": params} | options,
+        routing=options["moe_routing"],
+        routing_shape=options["moe_load_sigma"],
         token_source=token_source,
         calibration=label,
     )
@@ -278,4 +291,4 @@ def from_run(run: Any, model: str | None = None) -> Serving:
     return serving
 
 
-__all__ = ["Serving", "from_run", "resolve"]
+__all__ = ["Serving", "from_run", "mechanism_options", "resolve"]
