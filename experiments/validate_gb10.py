@@ -5,7 +5,9 @@ profile, through the same profiles, routing laws and calibrations every experime
 - ``llama_cpp``: llama.cpp's DGX Spark page (``llama-batched-bench``, ``llama-bench``; three
   revisions, four models), replayed by ``research.perf.validation``;
 - ``vllm``: published vLLM concurrency curves, replayed through our engine and scheduler by
-  ``research.perf.validation_vllm``.
+  ``research.perf.validation_vllm``;
+- prefill and TTFT per engine and format (vLLM, llama.cpp, Ollama, SGLang), priced by the
+  kernels each engine runs: ``research.perf.validation_prefill``.
 
 Writes ``results.jsonl`` (one row per published point: engine, source, model, point, published,
 predicted, signed error, whether it was fitted, routing law and shape, calibration),
@@ -86,12 +88,27 @@ def vllm_rows() -> tuple[list[dict[str, Any]], str]:
     return out, validation_vllm.format_report(rows, params, ablation=False)
 
 
+def prefill_rows() -> tuple[list[dict[str, Any]], str]:
+    from research.perf import validation_prefill
+
+    rows, fitted = validation_prefill.validate()
+    return validation_prefill.summary_rows(rows), validation_prefill.format_report(rows, fitted)
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per engine and per source: points not fitted, median and worst |error| over them."""
+    """Per engine and per source: points not fitted, median and worst |error| over them.
+    Prefill and TTFT points (``metric`` starting ``prefill_``) are summarized apart, per
+    engine as ``<engine>/prefill_ttft`` (points whose prompt length the source does not print
+    count only in ``<engine>/prefill_ttft_length_assumed``)."""
     out: dict[str, dict[str, float]] = {}
     groups: dict[str, list[float]] = {}
     for r in rows:
-        if not r["fitted"]:
+        if r["fitted"]:
+            continue
+        if str(r.get("metric", "")).startswith("prefill_"):
+            key = "prefill_ttft_length_assumed" if r.get("length_assumed") else "prefill_ttft"
+            groups.setdefault(f"{r['engine']}/{key}", []).append(abs(r["error"]))
+        else:
             groups.setdefault(r["engine"], []).append(abs(r["error"]))
             groups.setdefault(f"{r['engine']}/{r['source']}", []).append(abs(r["error"]))
     for key, errors in sorted(groups.items()):
@@ -109,7 +126,11 @@ def validate_gb10(run: RunConfig, out_dir: str | Path) -> list[dict[str, Any]]:
     out_dir = Path(out_dir)
     results = fresh_results(out_dir)
     rows, reports = [], []
-    for name, fn in (("llama_cpp", llama_cpp_rows), ("vllm", vllm_rows)):
+    for name, fn in (
+        ("llama_cpp", llama_cpp_rows),
+        ("vllm", vllm_rows),
+        ("prefill and TTFT", prefill_rows),
+    ):
         log.info(f"[validate_gb10] replaying the {name} points")
         r, report = fn()
         rows += r
