@@ -13,7 +13,8 @@ from hydra import compose, initialize_config_dir
 
 from research.config import register_configs, run_config_from
 from research.models.presets import get_preset
-from research.perf.cost_model import CostModel, StepShape, _window_pairs
+from research.perf.attention import window_pairs
+from research.perf.cost_model import CostModel, StepShape
 from research.perf.kv_capacity import (
     kv_bytes_per_token,
     kv_capacity,
@@ -36,7 +37,7 @@ def test_preset_shapes_and_published_parameter_count():
 
 def test_window_pairs_by_brute_force():
     for n, c, w in [(1, 0, 8), (1, 100, 8), (5, 3, 8), (20, 0, 8), (20, 5, 128), (3, 200, 128)]:
-        assert _window_pairs(n, c, w) == sum(min(c + i + 1, w) for i in range(n))
+        assert window_pairs(n, c, w) == sum(min(c + i + 1, w) for i in range(n))
 
 
 @pytest.mark.parametrize("batch", [1, 64])
