@@ -41,8 +41,7 @@ from typing import Any
 
 from research.config import ModelConfig
 from research.parallel.plan import SplitPlan
-from research.perf import attention
-from research.perf.attention import SINK_FLOPS, causal_pairs, page_efficiency
+from research.perf.attention import SINK_FLOPS, causal_pairs, page_efficiency, window_pairs
 from research.perf.collectives import ALLREDUCE_LATENCY_S, collective_seconds
 from research.perf.fits import params_for
 from research.perf.gemm import (
@@ -230,14 +229,14 @@ class CostModel:
         bs = self.block_size
         pages = [math.ceil((c + n) / bs) for n, c in shape.seqs]
         window = self.cfg.sliding_window if self.cfg.sliding_layers else None
-        window_pages = window_pairs = None
+        window_pages = pairs_in_window = None
         if window is not None:
             # Keys max(0, c - W + 1) .. c + n - 1 are visible to some query of the chunk; the
             # pages that hold them are read whole.
             window_pages = sum(
                 (c + n - 1) // bs - max(0, c - window + 1) // bs + 1 for n, c in shape.seqs
             )
-            window_pairs = float(sum(attention.window_pairs(n, c, window) for n, c in shape.seqs))
+            pairs_in_window = float(sum(window_pairs(n, c, window) for n, c in shape.seqs))
         return [
             StepWork(
                 tokens=shape.num_tokens,
@@ -248,7 +247,7 @@ class CostModel:
                 attention_pairs=float(sum(causal_pairs(n, c) for n, c in shape.seqs)),
                 kv_write_tokens=shape.num_tokens,
                 window_read_tokens=None if window is None else float(window_pages * bs),
-                window_pairs=window_pairs,
+                window_pairs=pairs_in_window,
             )
         ]
 
