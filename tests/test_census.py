@@ -1,6 +1,6 @@
 """The census that tells a per-request leak from what compiled executables keep: the objects of
 this project's classes in an executable's argument tree are counted, once per executable, and
-subtracted from the growth (``experiments.census``)."""
+subtracted from the growth (``benchmarks.census``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections import Counter
 import jax
 import jax.numpy as jnp
 
-from experiments.census import census_growth, held_by_executables, object_census
+from benchmarks.census import census_growth, held_by_executables, object_census
 from research.engine.attention import AttentionMetadata
 
 NAME = f"{AttentionMetadata.__module__}.{AttentionMetadata.__qualname__}"

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("research", "experiments", "pallas_kernels")
+PACKAGES = ("research", "experiments", "benchmarks", "pallas_kernels")
 
 # One fresh interpreter imports each module with the project's own modules cleared first, so
 # every module is imported as if it were the first (third-party imports stay cached: fast).

@@ -5,7 +5,7 @@ and nothing retained per request: the census of this project's live objects and 
 arrays at idle after the soak matches the one at idle after the warmup, up to the few objects
 the last step still references and the argument trees of the shapes compiled meanwhile. (RSS
 is reported, not bounded here: over 12 s its slope is set by the allocator settling and
-background compiles, 1 to 55 MiB/min in runs without a leak; ``python -m experiments.soak
+background compiles, 1 to 55 MiB/min in runs without a leak; ``python -m benchmarks.soak
 --minutes N --max-rss-slope S`` bounds it on the long version.)"""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ MAX_RETAINED_OBJECTS = 50
 @pytest.mark.slow  # a minute of serving in its own process
 def test_short_soak_in_its_own_process(tmp_path, capsys):
     out = tmp_path / "soak.json"
-    cmd = [sys.executable, "-m", "experiments.soak", "--minutes", "0.2", "--warmup-minutes",
+    cmd = [sys.executable, "-m", "benchmarks.soak", "--minutes", "0.2", "--warmup-minutes",
            "0.15", "--concurrency", "12", "--max-num-batched-tokens", "64",
            "--json", str(out)]  # fmt: skip
     proc = subprocess.run(

@@ -2,7 +2,7 @@
 
 A decode step multiplies a few rows by every weight once, so it is as fast as the weights
 stream from memory; XLA:CPU's dots read them at a fraction of that (bfloat16 at 40% of the read
-roof on an AVX-512 CPU without AMX, ``experiments.bench_gemm``), and its bf16 dots ran at
+roof on an AVX-512 CPU without AMX, ``benchmarks.bench_gemm``), and its bf16 dots ran at
 0.2-0.5 TFLOP/s where AMX gives 2-2.5. ``pack_params`` rewrites a model's 2-D projection
 weights into ``PackedWeight`` leaves, each 32 output columns one contiguous panel;
 ``layers.linear`` and ``layers.matmul`` send a product with one to the native kernels:

@@ -1,6 +1,6 @@
 """Weight quantization on SmolLM2-135M: logit KL divergence against float32, and weight bytes.
 
-    python -m experiments.bench_quant [--formats awq nvfp4 mxfp4 fp8]
+    python -m benchmarks.bench_quant [--formats awq nvfp4 mxfp4 fp8]
 
 For 8 chat prompts, every position's next-token distribution of the quantized model is compared
 with the float32 model's: KL(p_float32 || p_quantized) in nats, mean and max over positions, the

@@ -1,5 +1,5 @@
 """Prefix-cache hit ratio against KV pool size, per shipped trace:
-``python -m experiments.prefix_cache_curve [--out DIR]``.
+``python -m benchmarks.prefix_cache_curve [--out DIR]``.
 
 Each trace's prompts go through the engine's block manager in order
 (``research.bench.cache_replay``) at ``--length-scale`` of their lengths (default 1/32: a

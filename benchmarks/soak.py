@@ -1,6 +1,6 @@
 """A bounded soak of the OpenAI server on loopback: mixed traffic for N minutes, then checks.
 
-``python -m experiments.soak --minutes 10 [--model tiny-llama --concurrency 16 --seed 0]``
+``python -m benchmarks.soak --minutes 10 [--model tiny-llama --concurrency 16 --seed 0]``
 serves ``--model`` in this process (uvicorn on a free 127.0.0.1 port; nothing else is
 contacted) and runs ``--concurrency`` clients until the time is up. Each request is one of:
 a streamed or plain completion (and a chat, when the model has a tokenizer), a stream the
@@ -45,7 +45,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from experiments.census import census_growth, held_by_executables, object_census
+from benchmarks.census import census_growth, held_by_executables, object_census
 from research import LLM
 from research.serve import create_app
 from research.serve.background import serve_in_thread
@@ -244,7 +244,7 @@ def _idle_state(soak: Soak, timeout: float = 30.0) -> dict[str, Any]:
 
 def run_soak(argv: list[str] | None = None) -> dict[str, Any]:
     """Run a soak; returns its summary (``summary["ok"]`` says whether every check held)."""
-    parser = argparse.ArgumentParser(prog="python -m experiments.soak", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__)
     parser.add_argument("--minutes", type=float, required=True, help="how long traffic runs")
     parser.add_argument("--model", default="tiny-llama")
     parser.add_argument("--concurrency", type=int, default=16, help="clients at once")

@@ -1,7 +1,7 @@
 """Batched decoding of the bundled SmolLM2-135M GGUF on this CPU: our engine against llama.cpp's
 ``llama-batched-bench``, side by side in one run, on the same weights.
 
-    python -m experiments.bench_llamacpp [--npl 1 8 32 64] [--npp 128] [--ntg 128]
+    python -m benchmarks.bench_llamacpp [--npl 1 8 32 64] [--npp 128] [--ntg 128]
         [--dtype bfloat16 float32] [--q4] [--gemm auto|vector|amx|xla] [--threads N]
         [--rounds N] [--binary PATH | --build DIR] [--json PATH]
 

@@ -1,6 +1,6 @@
 """Single-sequence speed of SmolLM2-135M on CPU, ours against HF transformers in the same run.
 
-    python -m experiments.bench_decode [--prompt-len 128] [--gen-len 128] [--repeats 3]
+    python -m benchmarks.bench_decode [--prompt-len 128] [--gen-len 128] [--repeats 3]
                                        [--dtype float32|bfloat16]
 
 Prints prefill time and decode tok/s for each engine and their ratio. Both run in ``--dtype`` on

@@ -1,7 +1,7 @@
 """What a long-running process retains: live objects by class for classes of this project,
 live JAX arrays and their bytes, all gc-tracked objects. Two censuses at idle, before and after
 some traffic, tell a per-request leak (growth with the requests served) from the handful of
-objects the last step still references (``experiments.soak``). A compiled executable keeps its
+objects the last step still references (``benchmarks.soak``). A compiled executable keeps its
 call's argument tree (``jax.stages.Compiled.args_info``: the step's weights, pool and inputs
 with each leaf described), one set per compiled shape however many requests it serves; those
 are counted apart (``held_by_executables``) so that a background compile after the first
@@ -38,7 +38,7 @@ def object_census() -> tuple[Counter, int]:
 def _ours(obj: Any) -> str | None:
     cls = type(obj)
     module = getattr(cls, "__module__", "")
-    if isinstance(module, str) and module.startswith(("research", "experiments")):
+    if isinstance(module, str) and module.startswith(("research", "experiments", "benchmarks")):
         return f"{module}.{cls.__qualname__}"
     return None
 

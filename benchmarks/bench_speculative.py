@@ -1,7 +1,7 @@
 """n-gram speculative decoding on SmolLM2-135M (real weights, this machine): tok/s with and
 without speculation, and the acceptance, on repetitive and on random prompts.
 
-    python -m experiments.bench_speculative [--concurrency 1 8 32] [--gen-len 128]
+    python -m benchmarks.bench_speculative [--concurrency 1 8 32] [--gen-len 128]
         [--prompt-len 256] [--k 4] [--out results.jsonl]
 
 Repetitive prompts are a passage repeated (the lookup finds the continuation in the prompt);

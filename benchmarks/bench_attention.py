@@ -2,7 +2,7 @@
 heads of 64) over bf16 pages of 16 tokens, every row one new token attending to ``ctx`` cached
 positions in pages scattered over the pool, each layer's output feeding the next's queries.
 
-    python -m experiments.bench_attention [--cases 1x2000 16x256 64x256] [--repeats 40]
+    python -m benchmarks.bench_attention [--cases 1x2000 16x256 64x256] [--repeats 40]
 
 Prints, per case (rows x context), the median time of the 30 layers, the K/V bytes they read
 per second, and that rate against a plain read of the same pages 30 times on the kernels' own

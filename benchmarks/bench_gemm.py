@@ -2,8 +2,8 @@
 vector kernel, and AMX where the CPU has it), side by side in one process (and torch's, which
 calls oneDNN, where torch is installed).
 
-    python -m experiments.bench_gemm [--rows 1 16 64 2048] [--repeats 20]
-    python -m experiments.bench_gemm --chain [--rows 1] [--dtype bfloat16] [--kernel vector]
+    python -m benchmarks.bench_gemm [--rows 1 16 64 2048] [--repeats 20]
+    python -m benchmarks.bench_gemm --chain [--rows 1] [--dtype bfloat16] [--kernel vector]
 
 For each (rows, in, out) shape of the model's projections it prints GFLOP/s and GB/s of weight
 reads (median of ``--repeats`` calls), and the larger of their fractions of the machine's

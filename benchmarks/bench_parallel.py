@@ -1,7 +1,7 @@
 """One engine against tensor parallelism against replicas, on this machine, over HTTP, beside the
 host cost model's prediction of the same three setups.
 
-    python -m experiments.bench_parallel [--model smollm2-135m --tp 3 --replicas 2
+    python -m benchmarks.bench_parallel [--model smollm2-135m --tp 3 --replicas 2
         --concurrencies 1 8 32 --input-len 128 --output-len 128]
 
 Setups (each a real server, measured with the ``vllm bench serve``-style HTTP client):

@@ -1,7 +1,7 @@
 """Where the host model misses, step by step: one concurrency of ``experiment=validate_host``
 with every step timed and priced.
 
-    python -m experiments.host_steps 64 [hydra overrides, e.g. executor.attention_backend=xla]
+    python -m benchmarks.host_steps 64 [hydra overrides, e.g. executor.attention_backend=xla]
 
 Fits the host model on the single-stream runs exactly as ``experiment=validate_host`` does,
 compiles every step shape the point will use, then runs ``concurrency`` requests in a closed

@@ -1,6 +1,6 @@
 """This tree's engine step against another commit's, side by side in one window.
 
-    python -m experiments.bench_step --baseline <git ref> [--model smollm2-135m]
+    python -m benchmarks.bench_step --baseline <git ref> [--model smollm2-135m]
         [--dtype float32] [--max-model-len 512]
         [--points 64x32@1,64x32@4,64x32@16,64x32@64,128x128@1,128x128@16,128x128@64]
 

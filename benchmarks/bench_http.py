@@ -1,6 +1,6 @@
 """What the HTTP path costs: the same workload in process and through the OpenAI server.
 
-``python -m experiments.bench_http [--model smollm2-135m --num-prompts 16 --input-len 32
+``python -m benchmarks.bench_http [--model smollm2-135m --num-prompts 16 --input-len 32
 --output-len 16 --concurrency 4]`` runs ``research.bench.run_benchmark`` on one engine, then
 serves a second engine over the same weights with ``research.serve`` (uvicorn on a free local
 port, in a background thread) and runs ``run_http_benchmark`` against it. Each run is preceded by

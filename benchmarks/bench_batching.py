@@ -1,6 +1,6 @@
 """Static against continuous batching on a mixed-length workload, side by side in one run.
 
-    python -m experiments.bench_batching [--model smollm2-135m] [--num-requests 64]
+    python -m benchmarks.bench_batching [--model smollm2-135m] [--num-requests 64]
         [--min-output 16] [--max-output 256] [--prompt-len 32] [--max-num-seqs 16]
 
 Every request arrives at t=0 with ``ignore_eos``, so each generates exactly its drawn output
