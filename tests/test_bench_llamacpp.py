@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from experiments import bench_llamacpp as bench
+from benchmarks import bench_llamacpp as bench
 
 # As llama-batched-bench prints it: log lines on the same streams as the JSONL rows.
 OUTPUT = """\
