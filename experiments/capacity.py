@@ -25,14 +25,19 @@ Beside it, the write-up's arithmetic (``research.perf.sizing``) on a closed-loop
 same engine: streams at the speed floor, a duty cycle of answer time over the user's period, a
 Poisson 99th-percentile margin.
 
-Writes ``capacity.json`` (the count, its interval, the arithmetic's count, the binding
-constraint, the SLO, every evaluation), ``results.jsonl`` (one row per evaluation) and
-``capacity.png`` (the SLO metrics against population, thresholds dashed).
+Writes ``evaluations.jsonl`` as the search goes (a line per population tried, with its verdict,
+appended as each run finishes), then ``capacity.json`` (the count, its interval, the
+arithmetic's count, the binding constraint, the SLO, every evaluation), ``results.jsonl`` (one
+row per evaluation) and ``capacity.png`` (the SLO metrics against population, thresholds
+dashed). A search started again in the same directory (``hydra.run.dir=<the killed run's
+directory>``) reuses the evaluations there whose configuration matches (``fingerprint``) and
+runs only the rest.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -45,6 +50,9 @@ from research.config import SESSION_DATASETS, TRACE_DATASETS, RunConfig
 
 log = logging.getLogger(__name__)
 WARMUP_TRACE_FRACTION = 0.1
+EVALUATIONS_FILE = "evaluations.jsonl"
+# SLO percentile of time to first token the verdict reads (the 99th: the write-up's tail).
+TTFT_PERCENTILE = 0.99
 
 
 @dataclass(frozen=True)
@@ -99,7 +107,8 @@ def _verdict(run: RunConfig, records: list) -> tuple[bool, tuple[str, ...], floa
     if not ok:
         return False, ("refused",), math.inf, 0.0
     ttfts = sorted(1000 * (r.first_token_time - r.send_time) for r in ok)
-    p99 = ttfts[min(len(ttfts) - 1, math.ceil(0.99 * len(ttfts)) - 1)]
+    # Nearest rank: the smallest TTFT that at least 99% of the requests do not exceed.
+    p99 = ttfts[min(len(ttfts) - 1, math.ceil(TTFT_PERCENTILE * len(ttfts)) - 1)]
     speeds = [
         (r.output_len - 1) / (r.finish_time - r.first_token_time)
         for r in ok
@@ -151,17 +160,69 @@ def evaluate(run: RunConfig, backend: Any, n: int, seed: int) -> Evaluation:
     )
 
 
-def search(run: RunConfig, backend: Any, seed: int) -> tuple[int, list[Evaluation], bool]:
+def fingerprint(run: RunConfig) -> str:
+    """What an evaluation's outcome depends on: every config group but tracking, the output
+    directory, the repeat count and the experiment's name (a search resumed with more repeats,
+    or under another name, reuses what it has)."""
+    d = dataclasses.asdict(run)
+    del d["tracking"], d["output_dir"]
+    d["experiment"] = {k: v for k, v in d["experiment"].items() if k not in ("repeats", "name")}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class EvaluationLog:
+    """``evaluations.jsonl``: one line per evaluation, appended (and flushed) as it finishes.
+    Opened on a directory that already holds one, it keeps the evaluations whose fingerprint
+    matches this configuration; a line cut off by a kill is dropped."""
+
+    def __init__(self, path: Path, run: RunConfig) -> None:
+        self.path, self.fingerprint = path, fingerprint(run)
+        self.done: dict[tuple[int, int], Evaluation] = {}
+        text = path.read_text() if path.exists() else ""
+        if text and not text.endswith("\n"):  # a kill mid-write: drop the partial line
+            text = text[: text.rfind("\n") + 1]
+            path.write_text(text)
+        for line in text.splitlines():
+            row = json.loads(line)
+            if row.get("fingerprint") != self.fingerprint:
+                continue
+            e = Evaluation(**{f.name: row[f.name] for f in dataclasses.fields(Evaluation)})
+            e = dataclasses.replace(e, failing=tuple(e.failing))
+            self.done[(e.seed, e.population)] = e
+        if self.done:
+            log.info(f"[capacity] resuming: {len(self.done)} evaluations from {path}")
+
+    def get(self, seed: int, population: int) -> Evaluation | None:
+        return self.done.get((seed, population))
+
+    def add(self, e: Evaluation) -> None:
+        self.done[(e.seed, e.population)] = e
+        row = dataclasses.asdict(e) | {"fingerprint": self.fingerprint}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+
+
+def search(
+    run: RunConfig, backend: Any, seed: int, done: EvaluationLog | None = None
+) -> tuple[int, list[Evaluation], bool]:
     """(largest passing population, evaluations, whether it is only a lower bound: the SLO
-    still held at ``max_population``)."""
+    still held at ``max_population``). With ``done``, an evaluation already there is reused
+    and each new one is appended as it finishes."""
     cap = run.experiment.capacity
     evals: list[Evaluation] = []
 
     def ok(n: int) -> bool:
-        e = evaluate(run, backend, n, seed)
+        e = done.get(seed, n) if done is not None else None
+        resumed = e is not None
+        if e is None:
+            e = evaluate(run, backend, n, seed)
+            if done is not None:
+                done.add(e)
         evals.append(e)
         log.info(
-            f"  N={n:>5} seed {seed}: p99 TTFT {e.p99_ttft_ms:,.0f} ms, median "
+            f"  N={n:>5} seed {seed}{' (resumed)' if resumed else ''}: p99 TTFT "
+            f"{e.p99_ttft_ms:,.0f} ms, median "
             f"{e.median_tok_s:.1f} tok/s over {e.measured} requests -> "
             f"{'holds' if e.passed else 'fails (' + ', '.join(e.failing) + ')'}"
             f"{'' if e.converged else ' [halves disagree]'}"
@@ -302,11 +363,12 @@ def capacity(run: RunConfig, out_dir: str | Path, **_: Any) -> list[dict[str, An
     out_dir.mkdir(parents=True, exist_ok=True)
     run = with_boxes(run)
     backend = make_backend(run)
+    done = EvaluationLog(out_dir / EVALUATIONS_FILE, run)
     bests, evals, bounded = [], [], False
     for r in range(run.experiment.repeats):
         seed = w.seed + 1000 * r
         log.info(f"[capacity] search {r + 1}/{run.experiment.repeats} (seed {seed})")
-        best, es, lower = search(run, backend, seed)
+        best, es, lower = search(run, backend, seed, done)
         bests.append(best)
         evals += es
         bounded |= lower
@@ -351,4 +413,14 @@ def capacity(run: RunConfig, out_dir: str | Path, **_: Any) -> list[dict[str, An
     return rows
 
 
-__all__ = ["Evaluation", "arithmetic", "capacity", "evaluate", "objective", "search", "with_boxes"]
+__all__ = [
+    "Evaluation",
+    "EvaluationLog",
+    "arithmetic",
+    "capacity",
+    "evaluate",
+    "fingerprint",
+    "objective",
+    "search",
+    "with_boxes",
+]

@@ -19,6 +19,8 @@ SMALL = [
     "experiment.capacity.min_measured_requests=40",
     "experiment.capacity.max_population=64",
     "experiment.capacity.arithmetic_concurrencies=[1,8,32]",
+    "experiment.capacity.tolerance=0",
+    "experiment.capacity.max_doublings=2",
     "tracking=disabled",
 ]
 
@@ -32,6 +34,8 @@ def test_capacity_writes_the_count_its_interval_and_the_arithmetic(tmp_path):
     assert out["slo"] == {"p99_ttft_ms": 3000.0, "min_median_tok_s": 15.0}
     assert out["arithmetic"]["users"] is not None and out["arithmetic"]["duty_cycle"] > 0
     assert len(rows) == len(out["evaluations"]) and (tmp_path / "capacity.png").exists()
+    on_disk = (tmp_path / "evaluations.jsonl").read_text().splitlines()
+    assert len(on_disk) == len(out["evaluations"])  # each written as it finished
     for seed, best in zip(
         sorted({e["seed"] for e in out["evaluations"]}), out["capacity_per_repeat"], strict=True
     ):
@@ -73,6 +77,71 @@ def test_search_bisects_to_the_crossing():
         cap_mod.evaluate = orig
     assert (best, lower) == (37, False) and len(calls) <= 2 * 7
     assert calls[:4] == [8, 16, 32, 64]  # doubling from start_population, then bisection
+
+
+def _records(ttfts_ms, tok_s=20.0, output_len=11):
+    """Finished requests with the given TTFTs and a per-user speed of ``tok_s``."""
+    from types import SimpleNamespace
+
+    return [
+        SimpleNamespace(
+            success=True,
+            send_time=float(i),
+            first_token_time=i + t / 1000,
+            finish_time=i + t / 1000 + (output_len - 1) / tok_s,
+            output_len=output_len,
+        )
+        for i, t in enumerate(ttfts_ms)
+    ]
+
+
+def test_the_verdict_reads_the_99th_percentile_ttft():
+    """Nearest rank over 100 requests: one slow request in 100 is inside the 99th percentile,
+    two are not. Read at the median (or the 98th) the two-slow case would pass."""
+    from experiments.capacity import _verdict
+
+    run = _compose(SMALL)  # p99 TTFT <= 3,000 ms, median >= 15 tok/s
+    one_slow = _verdict(run, _records([100.0] * 99 + [5000.0]))
+    assert one_slow[0] and one_slow[2] == pytest.approx(100.0)
+    two_slow = _verdict(run, _records([100.0] * 98 + [5000.0] * 2))
+    assert not two_slow[0] and two_slow[1] == ("p99_ttft",)
+    assert two_slow[2] == pytest.approx(5000.0) and two_slow[3] == pytest.approx(20.0)
+    slow_tokens = _verdict(run, _records([100.0] * 100, tok_s=10.0))
+    assert slow_tokens[1] == ("median_tok_s",)
+
+
+def test_a_killed_search_resumes_from_its_evaluations_on_disk(tmp_path, monkeypatch):
+    """Each evaluation is on disk before the next starts; a search killed mid-write resumes
+    from the whole lines and runs only the rest; another configuration reuses none."""
+    from experiments import capacity as cap_mod
+    from experiments.capacity import EvaluationLog
+
+    path = tmp_path / "evaluations.jsonl"
+    calls, on_disk = [], []
+
+    def fake_evaluate(run, backend, n, seed):
+        on_disk.append(len(path.read_text().splitlines()) if path.exists() else 0)
+        calls.append(n)
+        ok = n <= 37
+        return cap_mod.Evaluation(
+            n, seed, ok, () if ok else ("median_tok_s",), 1.5, 20.0 if ok else 5.0, 50, 0, True, 3
+        )
+
+    monkeypatch.setattr(cap_mod, "evaluate", fake_evaluate)
+    run = _compose(SMALL)
+    best, evals, _ = search(run, None, 0, EvaluationLog(path, run))
+    full = list(calls)
+    assert best == 37 and on_disk == list(range(len(full)))
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:3]) + lines[3][:25])  # killed writing the fourth
+    calls.clear()
+    again, evals_again, _ = search(run, None, 0, EvaluationLog(path, run))
+    assert (again, evals_again) == (best, evals) and calls == full[3:]
+    assert path.read_text().splitlines(keepends=True) == lines
+    other = _compose([*SMALL, "experiment.capacity.slo_min_tok_s=10"])
+    calls.clear()
+    search(other, None, 0, EvaluationLog(path, other))
+    assert calls == full
 
 
 def test_capacity_needs_a_population_and_the_simulator():
