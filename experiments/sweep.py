@@ -133,6 +133,12 @@ def run_point(
         "num_replicas": run.hardware.num_replicas,
         "replica_routing": run.hardware.routing if run.hardware.num_replicas > 1 else None,
         "repeat": repeat,
+        # The engine's limit on prompt + output, and the configured one where the run raised it
+        # to the workload's longest request (experiments.workloads.fit_max_model_len).
+        "max_model_len": getattr(
+            getattr(backend, "llm", None), "max_model_len", run.model.max_model_len
+        ),
+        "max_model_len_raised_from": run.model.max_model_len_raised_from,
     }
     # The engine profile, its batch policy and pool; simulated: the routing law and shape of the
     # workload's tokens and the calibration that priced the row (research.perf.engines).
@@ -299,15 +305,21 @@ def completed_points(run: RunConfig, out_dir: Path) -> dict[str, dict[str, Any]]
 
 def kv_capacity_line(run: RunConfig, backend: Backend) -> str | None:
     """vLLM's start-up line: KV blocks and tokens, and how many of the workload's requests
-    (input_len + output_len tokens) fit at once. None for peers that do not say."""
+    (input_len + output_len tokens; a trace's or session's longest) fit at once. None for peers
+    that do not say."""
+    from experiments.workloads import longest_request
+
     engine = getattr(getattr(backend, "llm", None), "engine", None)
     if engine is None:
         return None
     bm, tokens = engine.block_manager, run.workload.input_len + run.workload.output_len
+    which = ""
+    if (longest := longest_request(run)) is not None:
+        tokens, which = longest.tokens, " (the workload's longest)"
     return (
         f"KV cache: {bm.num_blocks} blocks x {bm.block_size} tokens = "
         f"{bm.num_blocks * bm.block_size} tokens; maximum concurrency for "
-        f"{tokens}-token requests: {bm.max_concurrency(tokens):.1f}x"
+        f"{tokens}-token requests{which}: {bm.max_concurrency(tokens):.1f}x"
     )
 
 

@@ -364,6 +364,17 @@ class LoadConfig:
     dtype: str = "float32"
     max_model_len: int | None = None
     seed: int = 0
+    # What max_model_len was before the run raised it to its workload's longest request
+    # (experiments.workloads.fit_max_model_len); None: max_model_len is as configured.
+    max_model_len_raised_from: int | None = None
+
+    def __post_init__(self) -> None:
+        raised = self.max_model_len_raised_from
+        if raised is not None and (self.max_model_len is None or self.max_model_len <= raised):
+            raise ValueError(
+                f"max_model_len_raised_from={raised} says max_model_len was raised, but it is "
+                f"{self.max_model_len}"
+            )
 
 
 @dataclass(frozen=True)

@@ -209,6 +209,20 @@ class BlockTokens:
         return block
 
 
+def trace_lengths(
+    records: Iterable[TraceRecord], length_scale: float = 1.0
+) -> list[tuple[int, int]]:
+    """(prompt tokens, output tokens) of each record as ``trace_requests`` sends it: both lengths
+    times ``length_scale``, rounded, at least 1. Sizing a run before it starts reads these
+    (``experiments.workloads.longest_request``) without drawing any token ids."""
+    if length_scale <= 0:
+        raise ValueError(f"length_scale must be > 0, got {length_scale}")
+    return [
+        (max(1, round(r.input_len * length_scale)), max(1, round(r.output_len * length_scale)))
+        for r in records
+    ]
+
+
 def trace_requests(
     records: Sequence[TraceRecord],
     *,
@@ -232,19 +246,12 @@ def trace_requests(
     blocks = BlockTokens(scaled_block, allowed, seed)
     rng = np.random.default_rng((seed, 1 << 30))
     out = []
-    for r in records:
-        n_in = max(1, round(r.input_len * length_scale))
+    for r, (n_in, n_out) in zip(records, trace_lengths(records, length_scale), strict=True):
         parts = [blocks(h) for h in (r.hash_ids or ())]
         ids = np.concatenate(parts)[:n_in] if parts else np.empty(0, dtype=np.int64)
         if len(ids) < n_in:
             ids = np.concatenate([ids, rng.choice(allowed, size=n_in - len(ids))])
-        out.append(
-            BenchRequest(
-                ids.tolist(),
-                max(1, round(r.output_len * length_scale)),
-                arrival_time=r.timestamp_s * time_scale,
-            )
-        )
+        out.append(BenchRequest(ids.tolist(), n_out, arrival_time=r.timestamp_s * time_scale))
     return out
 
 
@@ -426,5 +433,6 @@ __all__ = [
     "prefix_random_requests",
     "prefix_repetition_requests",
     "sharegpt_requests",
+    "trace_lengths",
     "trace_requests",
 ]
