@@ -8,10 +8,13 @@ block size, engine, ...), so a file holding two models gives two series and two 
 never share one. Points of one configuration at one concurrency (``experiment.repeats``, or the
 same run twice) are repeats: averaged, with a 95% bootstrap interval.
 
-Series are named by the points' own ``label`` plus the axes that differ (``block_size=8``), or by
-``--labels`` (one word per file, still completed with the axes that differ inside it), or by
-``--group-by quantization,scheduling_policy`` (those axes first, colour per value of the first,
-line style per value of the second, and any other axis that varies after them). Files written by
+Series are named by the axes that differ between them, as ``key=value`` with the results'
+column names (``model=llama-3.3-70b, block_size=8``); the values every series shares are one
+caption line (``shared: hardware=gb10, engine=vllm, ...``) under the figures and ``table.tex``.
+``--labels`` puts one word per file first (still completed with the axes that differ);
+``--group-by quantization,scheduling_policy`` puts those axes first (colour per value of the
+first, line style per value of the second, then any other axis that varies). Runs that agree on
+every axis (two peer servers) are told apart by their own ``label``; files written by
 ``vllm bench serve --save-result`` (one per concurrency) are named by their ``model_id``.
 
 Written to ``--out`` (default ``<dir>/comparison`` for one directory, else ``comparison/``): one
@@ -37,6 +40,7 @@ from typing import Any
 from research.bench.provenance import write_csv
 from research.bench.report import read_results, result_files
 from research.bench.stats import (
+    LABEL_SEPARATOR,
     SERIES_AXES,
     latex_table,
     markdown_table,
@@ -60,14 +64,14 @@ def is_vllm_file(points: list[dict[str, Any]]) -> bool:
 
 
 def styles(labels: list[str]) -> dict[str, dict[str, Any]]:
-    """Colour by the first ``k=v`` word of a label, line style by the second."""
+    """Colour by the first ``k=v`` part of a label, line style by the second."""
     colors = [f"C{i}" for i in range(10)]
     dashes = ["-", "--", ":", "-."]
     first: dict[str, int] = {}
     second: dict[str, int] = {}
     out = {}
     for label in labels:
-        words = label.split()
+        words = label.split(LABEL_SEPARATOR)
         style: dict[str, Any] = {"color": colors[first.setdefault(words[0], len(first)) % 10]}
         if len(words) > 1:
             style["linestyle"] = dashes[second.setdefault(words[1], len(second)) % 4]
@@ -76,8 +80,9 @@ def styles(labels: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def load(files: list[Path], labels: list[str] | None) -> tuple[list[dict], list[str]]:
-    """Every point of ``files`` and its base name: its file's ``--labels`` word, its vLLM
-    ``model_id`` (vLLM files), else its own label."""
+    """Every point of ``files`` and the word its series name starts with: its file's
+    ``--labels`` word, its vLLM ``model_id`` (vLLM files), its folder's name for a point that
+    names nothing itself, else none (the axes that vary name it: ``series_of``)."""
     points, base = [], []
     for i, f in enumerate(files):
         pts = read_results(f)
@@ -89,7 +94,7 @@ def load(files: list[Path], labels: list[str] | None) -> tuple[list[dict], list[
             elif vllm:
                 base.append(str(p["model_id"]))
             else:
-                base.append(str(p.get("label") or p.get("model") or f.parent.name))
+                base.append("" if p.get("label") or p.get("model") else f.parent.name)
     return points, base
 
 
@@ -115,7 +120,8 @@ def style_note(group_by: list[str]) -> str:
 
 
 def write_tables(rows: list[dict[str, Any]], metrics: list[str], out: Path, caption: str) -> dict:
-    """summary.csv, table.md, table.tex and significance.md in ``out``."""
+    """summary.csv, table.md, table.tex and significance.md in ``out``; ``caption`` (what the
+    series share) under both tables."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {
         "summary": write_csv(rows, out / "summary.csv"),
@@ -123,7 +129,9 @@ def write_tables(rows: list[dict[str, Any]], metrics: list[str], out: Path, capt
         "latex": out / "table.tex",
         "significance": out / "significance.md",
     }
-    paths["markdown"].write_text(markdown_table(rows, metrics) + "\n")
+    paths["markdown"].write_text(
+        markdown_table(rows, metrics) + "\n" + (f"\n{caption}\n" if caption else "")
+    )
     paths["latex"].write_text(latex_table(rows, metrics, caption=caption, label="tab:comparison"))
     notes = [n for m in metrics for n in significance_notes(rows, m)]
     paths["significance"].write_text(
@@ -191,7 +199,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
 
     args = parse_args(argv)
     series, rows, group_by = prepare(args)
-    print(md(rows, args.metrics))
+    shared = caption(series)
+    print(md(rows, args.metrics) + (f"\n\n{shared}" if shared else ""))
     line_styles = styles(list(series)) if group_by else None
     note = style_note(group_by)
     facet = facet_axis(series, group_by, args.facet_by)
@@ -201,7 +210,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
         )
         for m in args.metrics
     ]
-    tables = write_tables(rows, args.metrics, args.out, caption(series, "", (), note))
+    tables = write_tables(rows, args.metrics, args.out, shared)
     print("plots:", ", ".join(map(str, paths)))
     print("summary:", tables["summary"])
     print("tables:", tables["latex"], tables["markdown"])

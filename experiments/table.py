@@ -3,7 +3,9 @@
 Same arguments as ``experiments.compare`` (series, ``--labels``, ``--group-by``, ``--metrics``,
 ``--out``); writes ``table.tex`` (booktabs: ``\\usepackage{booktabs}``), ``table.md``,
 ``summary.csv`` and ``significance.md``, each metric as the mean over repeats with its 95%
-bootstrap interval, and prints the Markdown table. No figures.
+bootstrap interval, and prints the Markdown table. Series are named by what varies between
+them (``block_size=8``), with what they share as the tables' caption (``shared: ...``). No
+figures.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
 
     args = parse_args(argv)
     series, rows, _group_by = prepare(args)
-    tables = write_tables(rows, args.metrics, args.out, caption(series))
-    print(markdown_table(rows, args.metrics))
+    shared = caption(series)
+    tables = write_tables(rows, args.metrics, args.out, shared)
+    print(markdown_table(rows, args.metrics) + (f"\n\n{shared}" if shared else ""))
     print("tables:", tables["latex"], tables["markdown"])
     return tables
 

@@ -172,8 +172,8 @@ def test_compare_reads_a_multirun_folder_in_job_order_with_labels_that_say_what_
     tmp_path, capsys
 ):
     """A Hydra multirun folder as one argument: jobs in natural order (2 before 10), each line
-    labelled by its points' label plus the factors that differ; a misspelt metric is an error
-    that lists the known ones."""
+    labelled by the factors that differ (key=value), what they share one line under the table; a
+    misspelt metric is an error that lists the known ones."""
     from experiments.compare import main as compare
 
     for job, policy, block in ((10, "static", 16), (2, "continuous", 16), (3, "continuous", 8)):
@@ -196,13 +196,15 @@ def test_compare_reads_a_multirun_folder_in_job_order_with_labels_that_say_what_
     compare(argv)
     table = capsys.readouterr().out
     labels = [
-        "ours tiny-llama scheduling_policy=continuous block_size=16",
-        "ours tiny-llama scheduling_policy=continuous block_size=8",
-        "ours tiny-llama scheduling_policy=static block_size=16",
+        "scheduling_policy=continuous, block_size=16",
+        "scheduling_policy=continuous, block_size=8",
+        "scheduling_policy=static, block_size=16",
     ]
-    rows = [line for line in table.splitlines() if line.startswith("| ours")]
+    rows = [line for line in table.splitlines() if line.startswith("| scheduling_policy=")]
     assert [r.split(" | ")[0][2:] for r in rows[::2]] == labels  # jobs 2, 3, 10
     assert "| 4 | 1 | 40.0 |" in rows[-1]
+    assert "\nshared: model=tiny-llama, request_rate=inf\n" in table
+    assert "shared: model=tiny-llama, request_rate=inf" in (out_dir / "table.md").read_text()
     with pytest.raises(SystemExit):
         compare([*argv[:2], "output_througput", "--out", str(out_dir)])
     assert "no point has the metric(s) ['output_througput']" in capsys.readouterr().err
@@ -271,8 +273,8 @@ def test_compare_groups_by_factors_and_vllm_files_by_model(tmp_path, capsys):
     with (out / "summary.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert [(r["label"], r["max_concurrency"]) for r in rows[:2]] == [
-        ("scheduling_policy=static block_size=16", "1"),
-        ("scheduling_policy=static block_size=16", "4"),
+        ("scheduling_policy=static, block_size=16", "1"),
+        ("scheduling_policy=static, block_size=16", "4"),
     ]
     assert len(rows) == 6 and float(rows[-1]["output_throughput_mean"]) == 12.0
     assert (out / "output_throughput.pdf").exists() and (out / "output_throughput.svg").exists()
@@ -333,12 +335,10 @@ def test_a_multirun_ends_with_its_comparison(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     with (sweep / "comparison" / "summary.csv").open() as f:
         labels = [row["label"] for row in csv.DictReader(f)]
-    assert labels == [
-        "simulated-gb10 llama-3.3-70b awq block_size=16",
-        "simulated-gb10 llama-3.3-70b awq block_size=16",
-        "simulated-gb10 llama-3.3-70b awq block_size=32",
-        "simulated-gb10 llama-3.3-70b awq block_size=32",
-    ]
+    # Named by what the sweep varied; what its jobs share is the tables' caption line.
+    assert labels == ["block_size=16", "block_size=16", "block_size=32", "block_size=32"]
+    table = (sweep / "comparison" / "table.md").read_text()
+    assert "\nshared: model=llama-3.3-70b, hardware=gb10, engine=vllm, quantization=awq," in table
     for suffix in (".png", ".pdf", ".svg"):
         assert (sweep / "comparison" / f"output_throughput{suffix}").exists()
 

@@ -158,12 +158,13 @@ def test_cli_reads_ours_and_vllm_results(tmp_path, capsys):
     )
     assert main([str(ours), str(vllm), "--floor", "15", "--floor", "10"]) == 0
     out = capsys.readouterr().out
-    assert "| moe awq | 15 | 48.0 | 23.1% | 148 |" in out
-    assert "| moe awq | 10 | 89.6 | 34.2% | 205 |" in out
-    assert "| dense | 15 | 0.0 |" in out
+    assert "| model=moe, quantization=awq | 15 | 48.0 | 23.1% | 148 |" in out
+    assert "| model=moe, quantization=awq | 10 | 89.6 | 34.2% | 205 |" in out
+    assert "| model=dense | 15 | 0.0 |" in out
     # big: 20 tok/s at 1, 10 at 4 -> floor 15 at 1 + 5/10 * 3 = 2.5 streams
-    assert "| big | 15 | 2.5 |" in out
-    assert "| big | 10 | >= 4.0 |" in out and "lower bound" in out
+    assert "| model=big | 15 | 2.5 |" in out
+    assert "| model=big | 10 | >= 4.0 |" in out and "lower bound" in out
+    assert "shared:" not in out  # no key has one value on every curve
 
 
 def test_cli_as_a_module(tmp_path):
@@ -185,7 +186,7 @@ def test_cli_as_a_module(tmp_path):
         text=True,
         check=True,
     )
-    assert "| m | 15 | 48.0 | 23.1% | 148 |" in run.stdout and not run.stderr
+    assert "| model=m | 15 | 48.0 | 23.1% | 148 |" in run.stdout and not run.stderr
 
 
 def test_cli_takes_a_run_directory(tmp_path, capsys):
@@ -196,8 +197,98 @@ def test_cli_takes_a_run_directory(tmp_path, capsys):
     lines = [{"model": "moe", "max_concurrency": c, "per_user_tok_s": v} for c, v in CURVE]
     (run / "results.jsonl").write_text("".join(json.dumps(p) + "\n" for p in lines))
     assert main([str(tmp_path / "outputs"), "--floor", "15"]) == 0
-    assert "| moe | 15 | 48.0 |" in capsys.readouterr().out
+    assert "| model=moe | 15 | 48.0 |" in capsys.readouterr().out
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit):
         main([str(tmp_path / "empty")])
     assert "no results.jsonl below it" in capsys.readouterr().err
+
+
+# One configuration of experiment=reproduce_spark as its results rows carry it.
+SPARK = {
+    "model": "qwen3-coder-30b-a3b",
+    "label": "simulated-gb10 qwen3-coder-30b-a3b awq",
+    "hardware": "gb10",
+    "engine": "vllm",
+    "quantization": "awq",
+    "kv_cache_dtype": "auto",
+    "dtype": "bfloat16",
+    "executor": "simulated",
+    "block_size": 16,
+    "enable_prefix_caching": True,
+    "input_len": 512,
+    "output_len": 256,
+    "request_rate": "inf",
+}
+
+
+def test_varying_labels_name_what_varies_and_caption_what_is_shared():
+    from research.bench.stats import varying_labels
+
+    keys = ("model", "hardware", "engine", "quantization", "block_size")
+    rows = [
+        {"model": "qwen3-coder-30b-a3b", "hardware": "gb10", "engine": "vllm",
+         "quantization": "awq", "block_size": 16},
+        {"model": "llama-3.3-70b", "hardware": "gb10", "engine": "vllm",
+         "quantization": "awq", "block_size": 16},
+        {"model": "llama-3.3-70b", "hardware": "gb10", "engine": "vllm",
+         "quantization": "fp8", "block_size": 16},
+    ]  # fmt: skip
+    labels, caption = varying_labels(rows, keys)
+    assert labels == [
+        "model=qwen3-coder-30b-a3b, quantization=awq",
+        "model=llama-3.3-70b, quantization=awq",
+        "model=llama-3.3-70b, quantization=fp8",
+    ]
+    assert caption == "shared: hardware=gb10, engine=vllm, block_size=16"
+    # One field apart: only that field names the curves.
+    labels, caption = varying_labels(rows[1:], keys)
+    assert labels == ["quantization=awq", "quantization=fp8"]
+    assert caption == "shared: model=llama-3.3-70b, hardware=gb10, engine=vllm, block_size=16"
+    # One run, or all equal: the model names the curve, the caption holds the rest.
+    labels, caption = varying_labels(rows[:1], keys)
+    assert labels == ["model=qwen3-coder-30b-a3b"]
+    assert caption == "shared: hardware=gb10, engine=vllm, quantization=awq, block_size=16"
+    # A key one run lacks (no speculation) is left out of its name, or written key=- when the
+    # name would otherwise be empty.
+    spec = [{"model": "m"}, {"model": "m", "speculative_method": "ngram"}]
+    assert varying_labels(spec, ("model", "speculative_method")) == (
+        ["speculative_method=-", "speculative_method=ngram"],
+        "shared: model=m",
+    )
+
+
+def test_cli_names_curves_by_what_varies(tmp_path, capsys):
+    """reproduce_spark's two models and an fp8 run in one folder: each curve is named by the
+    keys that differ (key=value), the keys every curve shares are one line under the table."""
+    run = tmp_path / "run"
+    run.mkdir()
+    configs = [
+        SPARK,
+        SPARK | {"model": "llama-3.3-70b", "label": "simulated-gb10 llama-3.3-70b awq"},
+        SPARK | {"quantization": "fp8", "label": "simulated-gb10 qwen3-coder-30b-a3b fp8"},
+    ]
+    lines = [
+        config | {"max_concurrency": c, "per_user_tok_s": v} for config in configs for c, v in CURVE
+    ]
+    (run / "results.jsonl").write_text("".join(json.dumps(p) + "\n" for p in lines))
+    assert main([str(tmp_path), "--floor", "15"]) == 0
+    out = capsys.readouterr().out
+    curves = [line.split(" | ")[0][2:] for line in out.splitlines() if line.startswith("| model")]
+    assert curves == [
+        "model=qwen3-coder-30b-a3b, quantization=awq",
+        "model=llama-3.3-70b, quantization=awq",
+        "model=qwen3-coder-30b-a3b, quantization=fp8",
+    ]
+    shared = [line for line in out.splitlines() if line.startswith("shared: ")]
+    assert shared == [
+        "shared: hardware=gb10, engine=vllm, kv_cache_dtype=auto, dtype=bfloat16, "
+        "executor=simulated, block_size=16, enable_prefix_caching=True, input_len=512, "
+        "output_len=256"
+    ]
+    # One configuration: named by its model, everything else in the caption.
+    (run / "results.jsonl").write_text("".join(json.dumps(p) + "\n" for p in lines[: len(CURVE)]))
+    assert main([str(tmp_path), "--floor", "15"]) == 0
+    out = capsys.readouterr().out
+    assert "| model=qwen3-coder-30b-a3b | 15 | 48.0 | 23.1% | 148 |" in out
+    assert "shared: hardware=gb10, engine=vllm, quantization=awq, kv_cache_dtype=auto" in out

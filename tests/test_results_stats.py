@@ -52,7 +52,7 @@ def test_two_models_never_share_a_series():
         assert f"block_size={pts[0]['block_size']}" in name and pts[0]["model"] in name
     grouped = series_of(_points(), group_by=["model"])
     for name, pts in grouped.items():
-        assert name.startswith(f"model={pts[0]['model']} block_size={pts[0]['block_size']}")
+        assert name == f"model={pts[0]['model']}, block_size={pts[0]['block_size']}"
 
 
 def test_the_same_configuration_in_two_files_is_one_series_of_repeats():
@@ -304,7 +304,7 @@ def test_a_two_model_ablation_draws_one_panel_per_model_with_its_series(tmp_path
     with (tmp_path / "sweep" / "comparison" / "summary.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert {(r["label"], r["model"]) for r in rows} == {
-        (f"block_size={b} model={m}", m)
+        (f"block_size={b}, model={m}", m)
         for b in (8, 16, 32) for m in ("qwen3-coder-30b-a3b", "llama-3.3-70b")
     }  # fmt: skip
     series = series_of(_points(), group_by=["block_size"])

@@ -153,7 +153,7 @@ def test_a_comparison_is_a_run_of_its_sweeps_group(fake_wandb, tmp_path):
     run = fake_wandb.runs[0]
     assert (run.init["job_type"], run.init["group"]) == ("comparison", "abl/2026-12-04-10-00")
     call = fake_wandb.series_calls[0]
-    assert call["keys"] == ["sim a", "sim b"] and call["ys"] == [[1.0, 1.0], [2.0, 2.0]]
+    assert call["keys"] == ["model=a", "model=b"] and call["ys"] == [[1.0, 1.0], [2.0, 2.0]]
     table = run.rows[0]["comparison/summary"]
     assert "output_throughput_ci_lo" in table[1] and len(table[2]) == 4
     assert run.finished

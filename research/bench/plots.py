@@ -2,8 +2,9 @@
 
 Figures are drawn on ``matplotlib.figure.Figure`` objects and saved as files; pyplot and its
 display backends are never touched. Each function takes either a list of points, grouped into one
-line per label (a point's ``label``, else its ``model``), or a dict {label: points} that puts
-several result files, engines or ablations on the same axes.
+line per configuration and each line named by what varies between them as ``key=value``
+(``model=qwen3-coder-30b-a3b``: ``research.bench.stats.series_of``), or a dict {label: points}
+that puts several result files, engines or ablations on the same axes.
 
 The x axis is the concurrency (log2): a point's ``max_concurrency``, or ``num_prompts`` when all
 requests were sent at once without a cap. Open-loop points (finite rate, no cap) have no
@@ -12,11 +13,11 @@ concurrency and are left out.
 For a paper: each figure is saved as a 300-dpi PNG plus PDF and SVG beside it, sized for a
 two-column page (7 in wide, or 3.5 in for one panel). TTFT is in seconds on a log axis;
 throughput goes log when the lines span more than a decade (``log_y``). The legend keeps only
-what differs between lines; what they share goes into the caption under the figure with the
-workload, the machine and the executor. Simulated curves are dashed and say so; the published
-single-request points of the calibration are drawn where a curve is of their model on their
-machine; the per-user speed floors are labelled as floors, and per-user tok/s is defined on the
-axis (1000 / median TPOT).
+what differs between lines; what they share goes into one caption line under the figure
+(``shared: hardware=gb10, engine=vllm, input_len=512, ...``). Simulated curves are dashed and
+say so; the published single-request points of the calibration are drawn where a curve is of
+their model on their machine; the per-user speed floors are labelled as floors, and per-user
+tok/s is defined on the axis (1000 / median TPOT).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
+from research.bench.stats import LABEL_SEPARATOR, series_caption, series_of
+
 Point = Mapping[str, Any]
 PointsOrSeries = Sequence[Point] | Mapping[str, Sequence[Point]]
 
@@ -40,6 +43,7 @@ FORMATS = (".pdf", ".svg")  # written beside every PNG
 DPI = 300
 WIDTH_IN = 7.0  # a two-column page's text width; one panel is half of it
 CAPTION_FONTSIZE = 6
+CAPTION_CHAR_WIDTH = 0.6  # mean glyph width in font sizes: ``key=value`` text runs wide
 
 METRIC_LABELS = {
     "output_throughput": "aggregate output tok/s",
@@ -63,17 +67,12 @@ def concurrency(point: Point) -> int | None:
     return None
 
 
-def _label(point: Point) -> str:
-    return str(point.get("label") or point.get("model") or "results")
-
-
 def _as_series(data: PointsOrSeries) -> dict[str, list[Point]]:
+    """A caller's {name: points} as given; a list of points as one series per configuration,
+    named by what varies between them (``research.bench.stats.series_of``)."""
     if isinstance(data, Mapping):
         return {str(label): list(points) for label, points in data.items()}
-    series: dict[str, list[Point]] = {}
-    for point in data:
-        series.setdefault(_label(point), []).append(point)
-    return series
+    return dict(series_of(data))
 
 
 def _curve(points: Sequence[Point], metric: str) -> tuple[list[int], list[float]]:
@@ -115,15 +114,25 @@ def _save(fig: Figure, path: str | Path) -> Path:
     return path
 
 
+def _parts(label: str) -> list[str]:
+    """A series name's parts: its ``key=value`` items (``research.bench.stats.varying_labels``),
+    or the words of a name without them."""
+    return label.split(LABEL_SEPARATOR) if LABEL_SEPARATOR in label else label.split()
+
+
+def _join(parts: Sequence[str], like: str) -> str:
+    return (LABEL_SEPARATOR if LABEL_SEPARATOR in like else " ").join(parts)
+
+
 def _short_labels(labels: Sequence[str]) -> tuple[dict[str, str], str]:
-    """Legend entries without the words every label shares, and those shared words."""
-    words = [label.split() for label in labels]
-    shared = [w for w in words[0] if all(w in ws for ws in words[1:])] if len(words) > 1 else []
+    """Legend entries without the parts every label shares, and those shared parts (", ")."""
+    parts = [_parts(label) for label in labels]
+    shared = [w for w in parts[0] if all(w in ps for ps in parts[1:])] if len(parts) > 1 else []
     short = {
-        label: " ".join(w for w in ws if w not in shared) or label
-        for label, ws in zip(labels, words, strict=True)
+        label: _join([w for w in ps if w not in shared], label) or label
+        for label, ps in zip(labels, parts, strict=True)
     }
-    return short, " ".join(shared)
+    return short, LABEL_SEPARATOR.join(shared)
 
 
 def _is_simulated(points: Sequence[Point]) -> bool:
@@ -136,25 +145,16 @@ def caption(
     axes: Sequence[Any] = (),
     style_note: str = "",
 ) -> str:
-    """Workload, machine and executor of the points (and what every line shares), then what the
-    drawn styles mean, read back from the lines on ``axes`` so the caption cannot claim a style
-    the figure does not use: dashed lines are called simulated only if every simulated line is
-    dashed and no measured one is; error bars are named with their interval."""
-    points = [p for pts in series.values() for p in pts]
-
-    def values(key: str) -> str:
-        found = sorted({str(p[key]) for p in points if p.get(key) is not None})
-        return "/".join(found)
-
+    """What every line shares, as one ``shared: key=value, ...`` line (the parts of the lines'
+    names in ``shared``, then every configuration axis they agree on: machine, engine, format,
+    workload, ...; ``research.bench.stats.series_caption``), then what the drawn styles mean,
+    read back from the lines on ``axes`` so the caption cannot claim a style the figure does
+    not use: dashed lines are called simulated only if every simulated line is dashed and no
+    measured one is; error bars are named with their interval."""
     parts = []
-    if shared:
-        parts.append(shared)
-    lengths = sorted({(p.get("input_len"), p.get("output_len")) for p in points} - {(None, None)})
-    if lengths:
-        parts.append(", ".join(f"{i} in / {o} out" for i, o in lengths) + " tokens")
-    for key, name in (("hardware", "machine"), ("executor", "executor"), ("dtype", "dtype")):
-        if value := values(key):
-            parts.append(f"{name}: {value}")
+    words = shared.split(LABEL_SEPARATOR) if shared else []
+    if common := series_caption(series, extra=words):
+        parts.append(common)
     if style_note:
         parts.append(style_note)
     lines = [ln for ax in axes for ln in ax.get_lines() if hasattr(ln, "simulated")]
@@ -254,7 +254,7 @@ def _finish(
     the constrained layout makes room for it, so it overlaps no axis label."""
     text = caption(series, shared, fig.axes, style_note)
     if text:
-        chars = int(fig.get_figwidth() * 72 / (CAPTION_FONTSIZE * 0.55))
+        chars = int(fig.get_figwidth() * 72 / (CAPTION_FONTSIZE * CAPTION_CHAR_WIDTH))
         fig.supxlabel(textwrap.fill(text, chars), fontsize=CAPTION_FONTSIZE)
 
 
@@ -391,7 +391,10 @@ def comparison_figure(
         if facet:
             value = facet.split("=", 1)[1]
             names = {
-                label: " ".join(w for w in names_all[label].split() if w not in (facet, value))
+                label: _join(
+                    [w for w in _parts(names_all[label]) if w not in (facet, value)],
+                    names_all[label],
+                )
                 or names_all[label]
                 for label in members
             }

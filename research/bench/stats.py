@@ -5,8 +5,11 @@ quantization, policy, block size, engine, ...); a *series* is one configuration 
 concurrency. Points of one configuration at one concurrency are *repeats* (``repeat`` 0, 1, ...
 of one sweep, or the same command run twice): they are averaged, never drawn as separate lines,
 and carry a 95% bootstrap confidence interval of the mean. Two configurations never share a
-series: ``series_of`` names each series by the axes that vary between the points it is given
-(the ``--group-by`` axes first) and raises if two configurations would get one name.
+series: ``series_of`` names each series by the axes that vary between the points it is given,
+as ``key=value`` (``model=qwen3-coder-30b-a3b, block_size=8``; the ``--group-by`` axes first),
+and raises if two configurations would get one name; ``series_caption`` is the one line of the
+values they all share (``shared: hardware=gb10, engine=vllm, ...``). ``varying_labels`` does
+both for any list of configurations (the sizing CLI's curves, the figures, the tables).
 
 ``summary_rows`` gives one row per series and concurrency with ``<metric>_mean``,
 ``<metric>_ci_lo``, ``<metric>_ci_hi`` and ``n`` (the interval is empty for n = 1: one run has
@@ -86,40 +89,132 @@ def varied_axes(
     return [a for a in axes if len({_value(p, a) for p in points}) > 1]
 
 
+LABEL_SEPARATOR = ", "
+SHARED_PREFIX = "shared: "
+MISSING = "-"  # a varying key a configuration does not have, where its name would be empty
+
+
+def varying_labels(
+    configs: Sequence[Mapping[str, Any]],
+    keys: Sequence[str] = SERIES_AXES,
+    *,
+    always: Sequence[str] = (),
+    lead: bool = True,
+) -> tuple[list[str], str]:
+    """Names for configurations compared side by side, and one caption line for the rest.
+
+    Each name is the ``keys`` on which ``configs`` differ, as ``key=value`` joined by ", "
+    (``model=qwen3-coder-30b-a3b, quantization=awq``); the caption is ``shared: key=value, ...``
+    of the keys every config gives the same value. Keys are the results' own column names (the
+    last part of a Hydra override: ``cache.block_size=8`` is ``block_size=8``), in ``keys``
+    order after the ``always`` ones, which are in every name whether they vary or not. A key no
+    config has is left out; a varying key that one config lacks is left out of its name (written
+    ``key=-`` only where the name would be empty). When nothing varies (one config, or all
+    equal) and ``lead`` is set, each name is the first shared key (the model) and the caption
+    holds the rest; without ``lead`` the names are then empty."""
+    keys = [*always, *(k for k in keys if k not in always)]
+    varying = set(varied_axes(configs, keys)) | set(always)
+    shared = [
+        f"{k}={_value(configs[0], k)}"
+        for k in keys
+        if configs and k not in varying and _value(configs[0], k) != ""
+    ]
+    labels = []
+    for c in configs:
+        parts = [f"{k}={_value(c, k)}" for k in keys if k in varying and _value(c, k) != ""]
+        if not parts and varying:
+            parts = [f"{k}={_value(c, k) or MISSING}" for k in keys if k in varying]
+        labels.append(LABEL_SEPARATOR.join(parts))
+    if lead and shared and not any(labels):
+        labels, shared = [shared[0]] * len(configs), shared[1:]
+    caption = SHARED_PREFIX + LABEL_SEPARATOR.join(shared) if shared else ""
+    return labels, caption
+
+
+def configuration(
+    points: Sequence[Mapping[str, Any]], axes: Sequence[str] = SERIES_AXES
+) -> dict[str, Any]:
+    """The ``axes`` values all ``points`` agree on (None where they do not, or have none)."""
+    return {
+        a: points[0].get(a) if points and len({_value(p, a) for p in points}) == 1 else None
+        for a in axes
+    }
+
+
 def series_of(
     points: Sequence[Mapping[str, Any]],
     group_by: Sequence[str] = (),
     base: Sequence[str] | None = None,
+    axes: Sequence[str] = SERIES_AXES,
 ) -> dict[str, list[dict[str, Any]]]:
-    """``points`` as {series name: points}. A name is the ``group_by`` axes as ``axis=value``,
-    then every other axis that varies between ``points``, after a ``base`` word per point (its
-    own ``label`` by default, left out with ``group_by``). Raises ValueError if two
+    """``points`` as {series name: points}, one series per configuration: its ``axes`` values
+    (and its own ``label`` where two runs agree on every axis, e.g. two peer servers). A name is
+    what varies between the configurations, as ``varying_labels`` writes it: the ``group_by``
+    axes first, then every other axis that varies, ``axis=value`` joined by ", "; after a
+    ``base`` word where one is given for a point (``--labels``, a vLLM file's ``model_id``: an
+    axis whose value the word already says is not repeated), and after the point's own label
+    where the axes do not tell two configurations apart. With nothing varying, the model names
+    the one series (``series_caption`` gives the values they share). Raises ValueError if two
     configurations would share a name, or a ``group_by`` axis is on no point."""
     for axis in group_by:
         if not any(axis in p for p in points):
             raise ValueError(f"--group-by {axis}: no point has it; axes: {', '.join(SERIES_AXES)}")
-    rest = [a for a in varied_axes(points) if a not in group_by]
-    if base is None:
-        base = ["" if group_by else str(p.get("label") or p.get("model") or "") for p in points]
-    series: dict[str, list[dict[str, Any]]] = {}
-    configs: dict[str, tuple[str, ...]] = {}
-    for p, word in zip(points, base, strict=True):
-        parts = [f"{a}={_value(p, a)}" for a in group_by]
-        # The point's own label usually names the model: do not repeat what it says.
-        parts += [f"{a}={_value(p, a)}" for a in rest if _value(p, a) not in word.split()]
-        name = " ".join([w for w in (word, *parts) if w]) or "results"
-        config = (*tuple(_value(p, a) for a in SERIES_AXES), word)
-        if configs.setdefault(name, config) != config:
+    words = [str(w) for w in base] if base is not None else [""] * len(points)
+    first: dict[tuple[str, ...], Mapping[str, Any]] = {}
+    keys = []
+    for p, word in zip(points, words, strict=True):
+        key = (*(_value(p, a) for a in axes), word, str(p.get("label") or ""))
+        keys.append(key)
+        first.setdefault(key, p)
+    # The run's own label names a series only where the axes and given words do not.
+    by_label = len({k[:-1] for k in first}) < len(first)
+    labels, _ = varying_labels(
+        list(first.values()), axes, always=group_by, lead=not (any(words) or by_label)
+    )
+    names: dict[tuple[str, ...], str] = {}
+    for key, label in zip(first, labels, strict=True):
+        lead = [w for w in (key[-2], key[-1] if by_label else "") if w]
+        said = {w for word in lead for w in word.split()}
+        parts = [x for x in label.split(LABEL_SEPARATOR) if x and x.split("=", 1)[1] not in said]
+        names[key] = LABEL_SEPARATOR.join([*lead, *parts]) or "results"
+    seen: dict[str, tuple[str, ...]] = {}
+    for key, name in names.items():
+        if (other := seen.setdefault(name, key)) != key:
             raise ValueError(
                 f"two configurations would share the series {name!r}: they differ in "
                 + ", ".join(
                     a
-                    for a, x, y in zip((*SERIES_AXES, "label"), config, configs[name], strict=True)
+                    for a, x, y in zip((*axes, "base", "label"), key, other, strict=True)
                     if x != y
                 )
             )
-        series.setdefault(name, []).append(dict(p))
+    series: dict[str, list[dict[str, Any]]] = {}
+    for p, key in zip(points, keys, strict=True):
+        series.setdefault(names[key], []).append(dict(p))
     return series
+
+
+def series_caption(
+    series: Mapping[str, Sequence[Mapping[str, Any]]],
+    axes: Sequence[str] = SERIES_AXES,
+    extra: Sequence[str] = (),
+) -> str:
+    """``shared: key=value, ...``: the ``axes`` every series of ``series`` agrees on, less what
+    every series name already says (the model naming the only series), after the ``extra``
+    words (what a caller's own series names share); "" when there is nothing to say."""
+    names = [set(str(name).split(LABEL_SEPARATOR)) for name in series]
+    configs = [configuration(list(pts), axes) for pts in series.values()]
+    said = {
+        a
+        for a in axes
+        if configs and all(f"{a}={_value(c, a)}" in n for c, n in zip(configs, names, strict=True))
+    }
+    rest = [{a: c[a] for a in axes if a not in said} for c in configs]
+    caption = varying_labels(rest, axes, lead=False)[1].removeprefix(SHARED_PREFIX)
+    items = caption.split(LABEL_SEPARATOR) if caption else []
+    values = {x.split("=", 1)[-1] for x in items}
+    words = [w for w in extra if w and w not in items and w not in values]
+    return SHARED_PREFIX + LABEL_SEPARATOR.join(words + items) if words or items else ""
 
 
 def concurrency_of(point: Mapping[str, Any]) -> int | None:

@@ -175,8 +175,8 @@ def plot_prediction_bands(points: Sequence[Mapping[str, Any]], path: str | Path)
 
 def prediction_bands_figure(points: Sequence[Mapping[str, Any]]) -> Any:
     """Aggregate output tok/s, per-user tok/s and median TTFT against concurrency, one line per
-    label with its band shaded, log axes where the values span more than a decade, the caption
-    under the panels (``research.bench.plots``)."""
+    configuration (named by what varies between them) with its band shaded, log axes where the
+    values span more than a decade, the caption under the panels (``research.bench.plots``)."""
     from matplotlib.figure import Figure
 
     from research.bench import plots
@@ -184,10 +184,7 @@ def prediction_bands_figure(points: Sequence[Mapping[str, Any]]) -> Any:
     metrics = ("output_throughput", "per_user_tok_s", "median_ttft_ms")
     fig = Figure(figsize=(plots.WIDTH_IN, 2.6), layout="constrained")
     axes = fig.subplots(1, len(metrics))
-    series: dict[str, list[Mapping[str, Any]]] = {}
-    for p in points:
-        if p.get("max_concurrency") is not None:
-            series.setdefault(str(p.get("label") or p.get("model")), []).append(p)
+    series = plots._as_series([p for p in points if p.get("max_concurrency") is not None])
     names, shared = plots._short_labels(list(series))
     for ax, metric in zip(axes, metrics, strict=True):
         scale = 1e-3 if metric == "median_ttft_ms" else 1.0
@@ -215,7 +212,7 @@ def prediction_bands_figure(points: Sequence[Mapping[str, Any]]) -> Any:
     )
     import textwrap
 
-    chars = int(fig.get_figwidth() * 72 / (plots.CAPTION_FONTSIZE * 0.55))
+    chars = int(fig.get_figwidth() * 72 / (plots.CAPTION_FONTSIZE * plots.CAPTION_CHAR_WIDTH))
     fig.supxlabel(textwrap.fill(text, chars), fontsize=plots.CAPTION_FONTSIZE)
     return fig
 

@@ -12,7 +12,9 @@
    (``max_users_for_streams``).
 
 ``python -m research.perf.sizing RESULTS [--floor 15] [--floor 10]`` runs this on a results file
-(ours or a ``vllm bench serve --save-result`` JSON).
+(ours or a ``vllm bench serve --save-result`` JSON), one curve per configuration: each named by
+what varies between the curves (``model=qwen3-coder-30b-a3b``, ``quantization=awq``), the
+values they all share on one line under the table (``shared: hardware=gb10, engine=vllm, ...``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from research.bench.stats import SERIES_AXES
+from research.bench.stats import SERIES_AXES, series_caption, series_of
 
 POISSON_P99_Z = 2.33  # one-sided 99th percentile of the normal approximation to Poisson
 
@@ -187,13 +189,12 @@ def curve_from_points(points: Sequence[Mapping[str, Any]]) -> list[tuple[float, 
     return [(c, sum(vs) / len(vs)) for c, vs in sorted(by_concurrency.items())]
 
 
-def group_points(points: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
-    """Points split into curves by the ``GROUP_KEYS`` they carry, labelled by those values."""
-    groups: dict[str, list[Mapping[str, Any]]] = {}
-    for p in points:
-        label = " ".join(str(p[k]) for k in GROUP_KEYS if p.get(k) is not None) or "(unnamed)"
-        groups.setdefault(label, []).append(p)
-    return groups
+def group_points(points: Sequence[Mapping[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Points split into curves, one per configuration (the ``GROUP_KEYS`` they carry), each
+    named by the keys that vary between the curves as ``key=value``
+    (``research.bench.stats.series_of``); ``research.bench.stats.series_caption`` gives the
+    values they share."""
+    return series_of(points, axes=GROUP_KEYS)
 
 
 def format_sizing_table(rows: Sequence[tuple[str, SizingResult]]) -> str:
@@ -242,7 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     points = [p for path in files for p in read_results(path)]
     floors = args.floor or [15.0, 10.0]
     rows = []
-    for label, group in group_points(points).items():
+    curves = group_points(points)
+    for label, group in curves.items():
         curve = curve_from_points(group)
         if not curve:
             print(f"{label}: no points with max_concurrency and per_user_tok_s; skipped")
@@ -257,6 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not rows:
         parser.error("no curve with max_concurrency and per_user_tok_s in the results")
     print(format_sizing_table(rows))
+    if shared := series_caption(curves, GROUP_KEYS):
+        print(f"\n{shared}")
     if any(r.streams_lower_bound for _, r in rows):
         print("\n'>=': the curve never fell below the floor; streams is a lower bound.")
     return 0
