@@ -35,10 +35,14 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# The suite in two tiers: `make test` (every test not marked slow; 15 minutes or less on two
-# cores) and `make test-slow` (statistical and long end-to-end runs). CI runs both.
+# The suite in two tiers: `make test` (every test not marked slow) and `make test-slow`
+# (statistical and long end-to-end runs, the cluster launchers). CI runs both. The fast tier
+# runs on TEST_WORKERS pytest-xdist workers (2: the tests are mostly single-threaded XLA
+# compiles, so two workers keep two cores busy; more would each hold a model in memory).
+TEST_WORKERS ?= 2
+
 test: lint
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q -m "not slow"
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS)
 
 test-slow: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -m slow
