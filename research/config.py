@@ -205,6 +205,13 @@ class ServingConfig:
     enable_chunked_prefill: bool | None = None
     parallel: int | None = None
     ctx_size: int | None = None
+    # Simulated executor: the GEMM kernel per class (dense, expert) instead of the profile's
+    # for this format and machine (research.perf.gemm.KERNELS), e.g. a vLLM build with
+    # CUTLASS MXFP4 MoE: {dense: cutlass_fp4, expert: cutlass_fp4}; a class not named keeps
+    # the profile's (null: the profile's). engine.gemm_kernels.expert=cutlass_fp4 sets one.
+    gemm_kernels: dict[str, str | None] = field(
+        default_factory=lambda: {"dense": None, "expert": None}
+    )
 
     def __post_init__(self) -> None:
         # The names are checked here, not by importing the profiles: research.perf imports
@@ -212,6 +219,11 @@ class ServingConfig:
         if self.name not in ENGINE_NAMES:
             raise ValueError(
                 f"unknown engine {self.name!r}; expected one of {sorted(ENGINE_NAMES)}"
+            )
+        if set(self.gemm_kernels) - {"dense", "expert"}:  # a dict built in Python
+            raise ValueError(
+                f"engine.gemm_kernels maps dense and/or expert to a kernel, got "
+                f"{dict(self.gemm_kernels)}"
             )
 
     def overrides(self) -> dict[str, Any]:
@@ -351,6 +363,13 @@ class SpeculativeConfig:
 # YAML file is checked against them (unknown keys and wrong types are errors).
 
 QUANTIZATION_CHOICES = (None, "awq", "nvfp4", "mxfp4", "fp8")
+# vLLM's --mxfp4-layers groups -> the per-layer weight keys they store quantized.
+QUANTIZED_LAYER_GROUPS = {
+    "moe": ("w_gate", "w_up", "w_down"),
+    "qkv": ("wq", "wk", "wv"),
+    "o": ("wo",),
+    "lm_head": ("lm_head",),
+}
 KV_CACHE_DTYPES = ("auto", "fp8", "int4")
 EXECUTORS = ("real", "simulated", "hf", "http")
 
@@ -383,8 +402,24 @@ class QuantConfig:
 
     quantization: str | None = None  # None | awq | nvfp4 | mxfp4 | fp8
     kv_cache_dtype: str = "auto"  # auto | fp8 | int4
+    # Simulated executor: which layer groups are stored in ``quantization`` (vLLM's
+    # ``--mxfp4-layers moe,qkv,o,lm_head``: moe, qkv, o, lm_head); None: the format's own
+    # (the experts, or every linear layer for a dense model), the rest in the activation dtype.
+    quantized_layers: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.quantized_layers is not None:
+            unknown = set(self.quantized_layers) - set(QUANTIZED_LAYER_GROUPS)
+            if unknown or not self.quantized_layers:
+                raise ValueError(
+                    f"quantized_layers must be a non-empty list of {list(QUANTIZED_LAYER_GROUPS)}"
+                    f" (vLLM's --mxfp4-layers), got {list(self.quantized_layers)}"
+                )
+            if self.quantization is None:
+                raise ValueError(
+                    f"quantized_layers needs a weight format that stores layers "
+                    f"(awq, nvfp4, mxfp4, fp8), got quantization={self.quantization!r}"
+                )
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATION_CHOICES}, got {self.quantization!r}"

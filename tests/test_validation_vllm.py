@@ -9,7 +9,8 @@ import statistics
 
 import pytest
 
-from research.perf import routing
+from research.config import QUANTIZED_LAYER_GROUPS
+from research.perf import routing, validation_vllm
 from research.perf.calibration import params_for
 from research.perf.cost_model import CostModel, StepShape
 from research.perf.validation import GGUF_MODELS, PROFILES, implied_sigma, validate
@@ -104,12 +105,47 @@ def test_inferred_120b_shape_is_the_mean_the_llama_cpp_points_imply():
     assert GGUF_MODELS[GPT_OSS_120B][0] in routing.LOAD_SIGMAS
 
 
+def test_a_builds_kernels_and_layers_are_options_a_user_sets():
+    """The replayed build's flags (--mxfp4-layers moe,qkv,o,lm_head; CUTLASS MXFP4 MoE) are
+    config options: a simulated run with quantization.quantized_layers and engine.gemm_kernels
+    prices steps exactly as the validation's replay does, and differently from vLLM's
+    published image (Marlin, bf16 attention). Kernels or layers a run cannot use fail."""
+    from research.perf.engines.serving import from_run
+    from tests.test_experiments import _compose
+
+    base = ["executor=simulated", "hardware=gb10", "model=gpt_oss_120b", "quantization=mxfp4",
+            "quantization.kv_cache_dtype=fp8", "model.max_model_len=4096",
+            "cache.enable_prefix_caching=false"]  # fmt: skip
+    build = ["quantization.quantized_layers=[moe,qkv,o,lm_head]",
+             "engine.gemm_kernels={dense:cutlass_fp4,expert:cutlass_fp4}"]  # fmt: skip
+    options = from_run(_compose([*base, *build])).cost_model_options
+    ours = CostModel("gpt-oss-120b", "mxfp4", "gb10", kv_cache_dtype="fp8", **options)
+    replay = validation_vllm.cost_model(SOURCE, ours.params)
+    image = CostModel(
+        "gpt-oss-120b", "mxfp4", "gb10", kv_cache_dtype="fp8",
+        **from_run(_compose(base)).cost_model_options,
+    )  # fmt: skip
+    for shape in (StepShape.prefill(2048), StepShape.decode(32, 1024)):
+        assert ours.step_time(shape) == replay.step_time(shape)
+        assert ours.step_time(shape) < image.step_time(shape)
+    with pytest.raises(ValueError, match="quantized_layers must be a non-empty list"):
+        _compose([*base, "quantization.quantized_layers=[attention]"])
+    with pytest.raises(Exception, match="attention"):  # Hydra: not a key of engine.gemm_kernels
+        _compose([*base, "engine.gemm_kernels={attention:marlin}"])
+    wrong = from_run(_compose([*base, "engine.gemm_kernels={expert:cutlass_fp8}"]))
+    with pytest.raises(ValueError, match="'cutlass_fp8' runs fp8, not mxfp4"):
+        CostModel("gpt-oss-120b", "mxfp4", "gb10", **wrong.cost_model_options)
+    with pytest.raises(ValueError, match="price a simulated engine"):
+        from_run(_compose(["engine.gemm_kernels={dense:marlin}"]))
+
+
 def test_quantized_weights_and_weight_only_options():
     """--mxfp4-layers moe,qkv,o,lm_head: attention and the output layer in MXFP4 (about a
     quarter of their bf16 bytes); weight-only kernels run the GEMMs in bf16."""
     s = VLLM_SOURCES[SOURCE]
     base = CostModel("gpt-oss-120b", "mxfp4", "gb10")
-    more = CostModel("gpt-oss-120b", "mxfp4", "gb10", quantized_weights=s["quantized_weights"])
+    keys = [k for g in s["quantized_layers"] for k in QUANTIZED_LAYER_GROUPS[g]]
+    more = CostModel("gpt-oss-120b", "mxfp4", "gb10", quantized_weights=tuple(keys))
     assert more.lm_head_bytes < 0.3 * base.lm_head_bytes
     assert more.dense_layer_bytes < 0.4 * base.dense_layer_bytes
     assert more.expert_bytes_per_layer == base.expert_bytes_per_layer

@@ -37,8 +37,8 @@ VLLM_SOURCES: dict[str, dict[str, Any]] = {
     "kubis_gptoss120b_topology": {
         "preset": "gpt-oss-120b",
         "quantization": "mxfp4",
-        # --mxfp4-layers moe,qkv,o,lm_head
-        "quantized_weights": ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"),
+        # --mxfp4-layers moe,qkv,o,lm_head (quantization.quantized_layers)
+        "quantized_layers": ("moe", "qkv", "o", "lm_head"),
         "kv_cache_dtype": "fp8",
         "gpu_memory_utilization": 0.70,
         "max_model_len": 4096,
@@ -47,7 +47,8 @@ VLLM_SOURCES: dict[str, dict[str, Any]] = {
         # vllm-node-mxfp4: the community MXFP4 build (eugr/spark-vllm-docker 'mxfp4' flavour,
         # NVIDIA developer forum thread 356651 p.7: its MXFP4 kernels 'only exist in his
         # original container and inside my build'), FlashInfer CUTLASS block-scaled MXFP4
-        # instead of the Marlin fallback of vLLM's published images (vllm#43969, #51158).
+        # instead of the Marlin fallback of vLLM's published images (vllm#43969, #51158)
+        # (engine.gemm_kernels).
         "gemm_kernels": {"dense": "cutlass_fp4", "expert": "cutlass_fp4"},
     },
 }
@@ -106,18 +107,17 @@ def serving(source: str) -> Any:
 
 
 def cost_model(source: str, params: CostParams, **options: Any) -> CostModel:
+    from research.perf.engines.serving import with_build
+
     s = VLLM_SOURCES[source]
-    profile = serving(source).cost_model_options | {"params": params}
-    if "gemm_kernels" in s:  # the build's kernels, where they differ from the profile's
-        profile["gemm_kernels"] = s["gemm_kernels"]
+    # The build's kernels and layers as a user sets them (engine.gemm_kernels,
+    # quantization.quantized_layers): the same path as a simulated run's.
+    built = with_build(serving(source), s.get("gemm_kernels"), s.get("quantized_layers"))
+    profile = built.cost_model_options | {"params": params}
     return CostModel(
-        s["preset"],
-        s["quantization"],
-        "gb10",
-        kv_cache_dtype=s["kv_cache_dtype"],
-        quantized_weights=s["quantized_weights"],
+        s["preset"], s["quantization"], "gb10", kv_cache_dtype=s["kv_cache_dtype"],
         **(profile | options),
-    )
+    )  # fmt: skip
 
 
 def replay(p: BurstPoint, cm: CostModel) -> dict[str, Any]:

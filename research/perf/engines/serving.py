@@ -288,7 +288,35 @@ def from_run(run: Any, model: str | None = None) -> Serving:
     if simulated and law is not None and law != serving.routing:
         options = serving.cost_model_options | {"moe_routing": law}
         serving = replace(serving, cost_model_options=options, routing=law)
-    return serving
+    kernels = {c: k for c, k in run.engine.gemm_kernels.items() if k is not None}
+    return with_build(serving, kernels, run.quantization.quantized_layers)
 
 
-__all__ = ["Serving", "from_run", "mechanism_options", "resolve"]
+def with_build(
+    serving: Serving,
+    gemm_kernels: dict[str, str] | None,
+    quantized_layers: tuple[str, ...] | None,
+) -> Serving:
+    """``serving`` with a build's GEMM kernels (per class, over the profile's) and the layer
+    groups its checkpoint stores quantized (vLLM's ``--mxfp4-layers``): what
+    ``engine.gemm_kernels`` and ``quantization.quantized_layers`` set. Both price a simulated
+    engine; a real one runs what it loaded and refuses them."""
+    if not gemm_kernels and not quantized_layers:
+        return serving
+    if not serving.cost_model_options:
+        raise ValueError(
+            "engine.gemm_kernels and quantization.quantized_layers price a simulated engine "
+            "(executor=simulated); the real executor runs the kernels and weights it loaded"
+        )
+    from research.config import QUANTIZED_LAYER_GROUPS
+
+    options = dict(serving.cost_model_options)
+    if gemm_kernels:
+        options["gemm_kernels"] = {**(options.get("gemm_kernels") or {}), **gemm_kernels}
+    if quantized_layers:
+        keys = [k for group in quantized_layers for k in QUANTIZED_LAYER_GROUPS[group]]
+        options["quantized_weights"] = tuple(dict.fromkeys(keys))
+    return replace(serving, cost_model_options=options)
+
+
+__all__ = ["Serving", "from_run", "mechanism_options", "resolve", "with_build"]
