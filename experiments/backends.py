@@ -149,6 +149,7 @@ class EngineBackend:
             # A simulated executor's virtual clock stamps the engine; waiting advances it.
             clock=self.engine.clock,
             sleep=self._sleep,
+            request_path_s=self._request_path_s(),
         )
 
     def run_sessions(
@@ -165,7 +166,17 @@ class EngineBackend:
             progress=progress,
             clock=self.engine.clock,
             sleep=self._sleep,
+            request_path_s=self._request_path_s(),
         )
+
+    def _request_path_s(self) -> float:
+        """A simulated server's request path (``CostParams.request_path_s`` of its calibration:
+        the drivers deliver each request that much after its send); 0 for a real engine, whose
+        path is real."""
+        if not self.simulated:
+            return 0.0
+        engine = getattr(self.engine, "engines", [self.engine])[0]
+        return engine.executor.cost_model.params.request_path_s
 
     def _load(self) -> dict[str, Any]:
         """The workload's arrival process, as ``run_benchmark`` takes it."""

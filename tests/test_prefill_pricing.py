@@ -108,3 +108,70 @@ def test_a_record_without_a_source_is_refused():
     assert prefill and all(
         {"preset", "engine", "quantization", "raw_row"} <= set(r) for r in prefill
     )
+
+
+def _simulated(path_s: float):
+    from research.config import CacheConfig, SchedulerConfig
+    from research.perf.cost_model import with_params
+    from research.perf.host_model import simulated_engine
+
+    s = resolve("vllm", "gb10", model="qwen3-coder-30b-a3b", quantization="awq",
+                max_model_len=4096, enable_prefix_caching=False)  # fmt: skip
+    cm = CostModel("qwen3-coder-30b-a3b", "awq", "gb10", **s.cost_model_options)
+    return simulated_engine(
+        with_params(cm, request_path_s=path_s),
+        CacheConfig(block_size=16, num_kv_blocks=8000, enable_prefix_caching=False),
+        SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=8192),
+        4096,
+    )
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+def test_the_request_path_counts_in_ttft_and_holds_the_slot(concurrency):
+    """A request reaches the engine request_path_s after its send: at one stream TTFT grows by
+    exactly the path and TPOT not at all; at two streams a slot is held while its request is on
+    the path (no more than two requests ever in flight or on the way)."""
+    from research.bench.driver import run_benchmark
+    from research.bench.workload import random_requests
+
+    reqs = random_requests(6, 512, 16, seed=2)
+    runs = {}
+    for path in (0.0, 0.25):
+        engine = _simulated(path)
+        clock = engine.executor.clock
+        runs[path] = run_benchmark(
+            engine, reqs, max_concurrency=concurrency, clock=clock, sleep=clock.sleep,
+            request_path_s=engine.executor.cost_model.params.request_path_s,
+        ).records  # fmt: skip
+    for base, slow in zip(runs[0.0], runs[0.25], strict=True):
+        ttft = (slow.first_token_time - slow.send_time) - (base.first_token_time - base.send_time)
+        if concurrency == 1:
+            assert ttft == pytest.approx(0.25, abs=1e-9)
+            assert slow.token_times[-1] - slow.first_token_time == pytest.approx(
+                base.token_times[-1] - base.first_token_time, abs=1e-9
+            )
+        else:
+            assert ttft >= 0.25 - 1e-9
+    sends = sorted(r.send_time for r in runs[0.25])
+    finishes = sorted(r.finish_time for r in runs[0.25])
+    # closed loop: the (C+1)-th send waits for a finish, path included
+    assert sends[concurrency] >= finishes[0] - 1e-9
+
+
+def test_a_sessions_turns_pay_the_request_path_too():
+    """Each turn of a conversation reaches the engine request_path_s after it is sent: one user's
+    TTFT grows by exactly the path on every turn."""
+    from research.bench.sessions import chat_sessions, run_sessions
+
+    sessions = chat_sessions(1, turns=3, system_len=64, message_len=64, output_len=8,
+                             think_time_s=2.0, seed=4)  # fmt: skip
+    ttfts = {}
+    for path in (0.0, 0.25):
+        engine = _simulated(path)
+        clock = engine.executor.clock
+        result = run_sessions(engine, sessions, max_concurrency=1, clock=clock,
+                              sleep=clock.sleep, request_path_s=path)  # fmt: skip
+        ttfts[path] = [r.first_token_time - r.send_time for r in result.records]
+    assert len(ttfts[0.25]) == 3
+    for base, slow in zip(ttfts[0.0], ttfts[0.25], strict=True):
+        assert slow - base == pytest.approx(0.25, abs=1e-9)

@@ -11,6 +11,10 @@ Three load shapes, as in vLLM:
 
 Requests that carry their own ``arrival_time`` (a replayed trace) arrive then instead.
 
+``request_path_s`` (a simulated server's request path: HTTP, tokenization, the API server's
+queue): a request sent at t reaches the engine at the first step boundary after
+t + ``request_path_s`` and holds its slot meanwhile; its TTFT and latency count from t.
+
 Every request is greedy with ``ignore_eos`` so it generates exactly its ``output_len`` tokens.
 The driver stamps the send time with ``clock()`` and hands it to the engine as the arrival time;
 token and finish times are the engine's own stamps (``RequestMetrics``), so ``clock`` must be the
@@ -113,16 +117,20 @@ def run_benchmark(
     clock: Callable[[], float] = time.perf_counter,
     sleep: Callable[[float], None] = time.sleep,
     progress: bool = False,
+    request_path_s: float = 0.0,
 ) -> BenchmarkResult:
     """Send ``requests`` to ``engine`` under the given load and step it until all finish.
 
     A request the engine refuses (ValueError from ``add_request``) is recorded as failed and
     frees its slot at once. The duration runs from the first send to the last finish.
+    ``request_path_s``: module notes.
     """
     if not requests:
         raise ValueError("no requests to send")
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1 or None, got {max_concurrency}")
+    if not (request_path_s >= 0 and math.isfinite(request_path_s)):
+        raise ValueError(f"request_path_s must be a finite number >= 0, got {request_path_s}")
     offsets = arrival_times(len(requests), request_rate, burstiness, seed)
     if any(r.arrival_time is not None for r in requests):  # a trace's own arrival times
         if any(r.arrival_time is None for r in requests):
@@ -132,33 +140,44 @@ def run_benchmark(
             raise ValueError("trace arrival times must not decrease")
     records: list[RequestRecord | None] = [None] * len(requests)
     pending = deque(range(len(requests)))
+    on_path: deque[tuple[float, int]] = deque()  # (send time, index): sent, not yet delivered
     in_flight: dict[str, int] = {}  # engine request id -> index into requests
     bar = tqdm(total=len(requests), disable=not progress, desc="requests", unit="req")
 
+    def deliver(i: int, send_time: float) -> None:
+        request = requests[i]
+        params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
+        try:
+            request_id = engine.add_request(
+                request.prompt_token_ids, params, arrival_time=send_time
+            )
+        except ValueError as error:
+            records[i] = _refused(request, send_time, error)
+            bar.update()
+            return
+        in_flight[request_id] = i
+
     start = clock()
-    while pending or in_flight:
+    while pending or on_path or in_flight:
         now = clock()
         while (
             pending
-            and (max_concurrency is None or len(in_flight) < max_concurrency)
+            and (max_concurrency is None or len(in_flight) + len(on_path) < max_concurrency)
             and start + offsets[pending[0]] <= now
         ):
-            i = pending.popleft()
-            request = requests[i]
-            send_time = clock()
-            params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
-            try:
-                request_id = engine.add_request(
-                    request.prompt_token_ids, params, arrival_time=send_time
-                )
-            except ValueError as error:
-                records[i] = _refused(request, send_time, error)
-                bar.update()
-                continue
-            in_flight[request_id] = i
+            on_path.append((clock(), pending.popleft()))
+            if not request_path_s:
+                deliver(*reversed(on_path.pop()))
+        while on_path and on_path[0][0] + request_path_s <= now:
+            deliver(*reversed(on_path.popleft()))
         if not in_flight:
-            if pending:
-                sleep(start + offsets[pending[0]] - now)
+            nexts = [on_path[0][0] + request_path_s] if on_path else []
+            if pending and (
+                max_concurrency is None or len(in_flight) + len(on_path) < max_concurrency
+            ):
+                nexts.append(start + offsets[pending[0]])
+            if nexts:
+                sleep(max(0.0, min(nexts) - now))
             continue
         for out in engine.step():
             if out.finished:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -199,19 +200,24 @@ def run_sessions(
     clock: Callable[[], float] = time.perf_counter,
     sleep: Callable[[float], None] = time.sleep,
     progress: bool = False,
+    request_path_s: float = 0.0,
 ) -> BenchmarkResult:
     """Every turn of every session against ``engine`` (module notes). Records are in the order
-    turns finish; a refused turn ends its session."""
+    turns finish; a refused turn ends its session. A turn sent at t reaches the engine
+    ``request_path_s`` later (``research.bench.driver``); its TTFT counts from t."""
     if not sessions:
         raise ValueError("no sessions to run")
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1 or None, got {max_concurrency}")
+    if not (request_path_s >= 0 and math.isfinite(request_path_s)):
+        raise ValueError(f"request_path_s must be a finite number >= 0, got {request_path_s}")
     start = clock()
     waiting = [(s.start_s, i) for i, s in enumerate(sessions)]  # not yet active
     heapq.heapify(waiting)
     ready: list[_Ready] = []  # active sessions' next turns
     active = 0
     in_flight: dict[str, tuple[int, int, BenchRequest]] = {}
+    on_path: deque[tuple[float, _Ready]] = deque()  # (send time, turn): not yet delivered
     records = []
     bar = tqdm(total=sum(len(s.turns) for s in sessions), disable=not progress, unit="turn")
 
@@ -219,7 +225,20 @@ def run_sessions(
         nonlocal active
         active -= 1
 
-    while waiting or ready or in_flight:
+    def deliver(send: float, r: _Ready) -> None:
+        turn = sessions[r.session].turns[r.turn]
+        request = BenchRequest(r.prompt, turn.output_len)
+        params = SamplingParams(max_tokens=turn.output_len, temperature=0.0, ignore_eos=True)
+        try:
+            rid = engine.add_request(r.prompt, params, arrival_time=send)
+        except ValueError as error:
+            records.append(_refused(request, send, error))
+            bar.update(len(sessions[r.session].turns) - r.turn)
+            end_session()
+            return
+        in_flight[rid] = (r.session, r.turn, request)
+
+    while waiting or ready or on_path or in_flight:
         now = clock() - start
         while (
             waiting
@@ -231,21 +250,15 @@ def run_sessions(
             turn = sessions[i].turns[0]
             heapq.heappush(ready, _Ready(now, i, 0, list(turn.new_token_ids)))
         while ready and ready[0].time <= now:
-            r = heapq.heappop(ready)
-            turn = sessions[r.session].turns[r.turn]
-            request = BenchRequest(r.prompt, turn.output_len)
-            send = clock()
-            params = SamplingParams(max_tokens=turn.output_len, temperature=0.0, ignore_eos=True)
-            try:
-                rid = engine.add_request(r.prompt, params, arrival_time=send)
-            except ValueError as error:
-                records.append(_refused(request, send, error))
-                bar.update(len(sessions[r.session].turns) - r.turn)
-                end_session()
-                continue
-            in_flight[rid] = (r.session, r.turn, request)
+            on_path.append((clock(), heapq.heappop(ready)))
+            if not request_path_s:
+                deliver(*on_path.pop())
+        while on_path and on_path[0][0] + request_path_s <= start + now:
+            deliver(*on_path.popleft())
         if not in_flight:
             nexts = [ready[0].time] if ready else []
+            if on_path:
+                nexts.append(on_path[0][0] + request_path_s - start)
             if waiting and (max_concurrency is None or active < max_concurrency):
                 nexts.append(waiting[0][0])
             if nexts:

@@ -9,9 +9,11 @@
   between the pieces: its profile leaves that inside the fitted per-step time (every vLLM
   calibration point is a captured decode or one large prefill, where ~50 launches are under 1%);
 - ``request_path_s``, once per request: what the server spends between the client's send and the
-  engine seeing the request, plus the first chunk's way back. The engine adds it to the
-  client-visible timestamps of a simulated request (``Engine(client_latency_s=...)``): TTFT and
-  E2EL grow by it, TPOT and ITL do not.
+  engine seeing the request (HTTP, tokenization, the API server's queue), plus the first
+  chunk's way back. The benchmark drivers deliver a simulated request that long after its send
+  (``research.bench.driver``, ``request_path_s``), holding its slot: TTFT and E2EL grow by it,
+  TPOT and ITL do not. Every profile's calibration has it at 0 (the prefill validation fits it
+  per source: ``research.perf.validation_prefill``).
 Pure Python.
 """
 
