@@ -31,7 +31,13 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-from research.bench.stats import LABEL_SEPARATOR, series_caption, series_of
+from research.bench.stats import (
+    LABEL_SEPARATOR,
+    METRIC_LABELS,
+    concurrency,
+    series_caption,
+    series_of,
+)
 
 Point = Mapping[str, Any]
 PointsOrSeries = Sequence[Point] | Mapping[str, Sequence[Point]]
@@ -44,27 +50,6 @@ DPI = 300
 WIDTH_IN = 7.0  # a two-column page's text width; one panel is half of it
 CAPTION_FONTSIZE = 6
 CAPTION_CHAR_WIDTH = 0.6  # mean glyph width in font sizes: ``key=value`` text runs wide
-
-METRIC_LABELS = {
-    "output_throughput": "aggregate output tok/s",
-    "total_token_throughput": "total (prompt + output) tok/s",
-    "request_throughput": "requests/s",
-    "per_user_tok_s": "per-user tok/s (1000 / median TPOT)",
-    "median_ttft_ms": "median TTFT (ms)",
-    "p99_ttft_ms": "p99 TTFT (ms)",
-    "median_tpot_ms": "median TPOT (ms)",
-    "median_itl_ms": "median ITL (ms)",
-    "median_e2el_ms": "median E2EL (ms)",
-}
-
-
-def concurrency(point: Point) -> int | None:
-    """How many requests a point kept in flight: its cap, or all of them when sent at once."""
-    if point.get("max_concurrency") is not None:
-        return int(point["max_concurrency"])
-    if math.isinf(float(point.get("request_rate", math.inf))):
-        return int(point["num_prompts"])
-    return None
 
 
 def _as_series(data: PointsOrSeries) -> dict[str, list[Point]]:

@@ -217,11 +217,26 @@ def series_caption(
     return SHARED_PREFIX + LABEL_SEPARATOR.join(words + items) if words or items else ""
 
 
-def concurrency_of(point: Mapping[str, Any]) -> int | None:
-    """``research.bench.plots.concurrency`` (imported here: plots needs matplotlib)."""
-    from research.bench.plots import concurrency
+METRIC_LABELS = {
+    "output_throughput": "aggregate output tok/s",
+    "total_token_throughput": "total (prompt + output) tok/s",
+    "request_throughput": "requests/s",
+    "per_user_tok_s": "per-user tok/s (1000 / median TPOT)",
+    "median_ttft_ms": "median TTFT (ms)",
+    "p99_ttft_ms": "p99 TTFT (ms)",
+    "median_tpot_ms": "median TPOT (ms)",
+    "median_itl_ms": "median ITL (ms)",
+    "median_e2el_ms": "median E2EL (ms)",
+}
 
-    return concurrency(point)
+
+def concurrency(point: Mapping[str, Any]) -> int | None:
+    """How many requests a point kept in flight: its cap, or all of them when sent at once."""
+    if point.get("max_concurrency") is not None:
+        return int(point["max_concurrency"])
+    if math.isinf(float(point.get("request_rate", math.inf))):
+        return int(point["num_prompts"])
+    return None
 
 
 def summary_rows(
@@ -233,7 +248,7 @@ def summary_rows(
     for name, points in series.items():
         by_c: dict[int, list[Mapping[str, Any]]] = {}
         for p in points:
-            if (c := concurrency_of(p)) is not None:
+            if (c := concurrency(p)) is not None:
                 by_c.setdefault(c, []).append(p)
         for c in sorted(by_c):
             reps = by_c[c]
@@ -346,8 +361,6 @@ def _tex_escape(s: str) -> str:
 
 
 def metric_header(metric: str) -> str:
-    from research.bench.plots import METRIC_LABELS
-
     return METRIC_LABELS.get(metric, metric)
 
 
