@@ -55,7 +55,7 @@ from typing import Any
 
 from research.perf.cost_model import CostModel, CostParams, StepShape
 from research.perf.kv_capacity import resolve_model
-from research.perf.measurements import DATA, records
+from research.perf.measurements import DATA, Row, records
 
 # The published GGUF files: our preset with their shapes, and the file format.
 GGUF_MODELS: dict[str, tuple[str, str]] = {
@@ -310,18 +310,6 @@ def fit(
     x0 = [0.8] * len(names)
     sol = least_squares(residuals, x0, bounds=([1e-3] * len(names), [1.0] * len(names)))
     return replace(base, **dict(zip(names, sol.x, strict=True)))
-
-
-@dataclass(frozen=True)
-class Row:
-    point: Point
-    predicted: float
-    fitted: bool
-
-    @property
-    def error(self) -> float:
-        """Signed relative error of the prediction."""
-        return self.predicted / self.point.published - 1.0
 
 
 def validate(

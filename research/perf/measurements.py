@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,4 +48,19 @@ def sources(path: Path = DATA) -> dict[str, dict[str, Any]]:
     return _load(Path(path))["sources"]
 
 
-__all__ = ["DATA", "check_sources", "records", "sources"]
+@dataclass(frozen=True)
+class Row:
+    """A published point (anything with ``published``), what we predict for it, and whether the
+    prediction was fitted on it."""
+
+    point: Any
+    predicted: float
+    fitted: bool
+
+    @property
+    def error(self) -> float:
+        """Signed relative error of the prediction."""
+        return self.predicted / self.point.published - 1.0
+
+
+__all__ = ["DATA", "Row", "check_sources", "records", "sources"]

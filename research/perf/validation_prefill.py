@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from research.perf.cost_model import CostModel, StepShape
-from research.perf.measurements import DATA, records
+from research.perf.measurements import DATA, Row, records
 from research.perf.params import CostParams
 
 # Build flags of a source that change the kernels its engine profile runs.
@@ -107,18 +107,7 @@ def predict(p: PrefillPoint, params: CostParams | None = None) -> float:
     return (seconds + cm.params.request_path_s) * 1e3
 
 
-@dataclass(frozen=True)
-class PrefillRow:
-    point: PrefillPoint
-    predicted: float
-    fitted: bool
-
-    @property
-    def error(self) -> float:
-        return self.predicted / self.point.published - 1.0
-
-
-def validate() -> tuple[list[PrefillRow], dict[str, CostParams]]:
+def validate() -> tuple[list[Row], dict[str, CostParams]]:
     """Per source: ``request_path_s`` fitted on the shortest TTFT point where the source has
     TTFT at two or more lengths; every point predicted (module docstring)."""
     points = load_prefill_points()
@@ -135,11 +124,11 @@ def validate() -> tuple[list[PrefillRow], dict[str, CostParams]]:
             fitted[source] = params
         for p in pts:
             is_anchor = bool(ttft) and len(ttft) >= 2 and p is ttft[0]
-            rows.append(PrefillRow(p, predict(p, params), is_anchor))
+            rows.append(Row(p, predict(p, params), is_anchor))
     return rows, fitted
 
 
-def summary_rows(rows: list[PrefillRow]) -> list[dict[str, Any]]:
+def summary_rows(rows: list[Row]) -> list[dict[str, Any]]:
     """One results row per point (what ``experiment=validate_gb10`` writes)."""
     return [
         {
@@ -158,7 +147,7 @@ def summary_rows(rows: list[PrefillRow]) -> list[dict[str, Any]]:
     ]
 
 
-def format_report(rows: list[PrefillRow], fitted: dict[str, CostParams]) -> str:
+def format_report(rows: list[Row], fitted: dict[str, CostParams]) -> str:
     lines = [
         "| source | engine | point | published | predicted | error |",
         "|---|---|---|---:|---:|---:|",

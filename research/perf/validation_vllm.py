@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from research.perf.cost_model import CostModel, CostParams
-from research.perf.measurements import DATA, records
+from research.perf.measurements import DATA, Row, records
 
 # The sources the vLLM profile replays: the checkpoint our preset stands for and the run's flags.
 VLLM_SOURCES: dict[str, dict[str, Any]] = {
@@ -178,15 +178,10 @@ def replay(p: BurstPoint, cm: CostModel) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class BurstRow:
-    point: BurstPoint
-    predicted: float
-    fitted: bool
-    ttft_p99_s: float
+class BurstRow(Row):
+    """A burst point's row, with the replay's p99 TTFT."""
 
-    @property
-    def error(self) -> float:
-        return self.predicted / self.point.published - 1.0
+    ttft_p99_s: float
 
 
 def fit_bandwidth(p: BurstPoint, base: CostParams, **options: Any) -> CostParams:
