@@ -97,8 +97,8 @@ def sweep_group(run: RunConfig, hydra_cfg: Any) -> tuple[str, str]:
 def main(cfg: DictConfig) -> Any:
     """Runs the experiment; returns what a configuration search optimizes (the capacity
     runner's users at the SLO and p99 TTFT there), None for other runners."""
+    from experiments.context_len import fit_max_model_len, max_model_len_given
     from experiments.runners import get_runner
-    from experiments.workloads import fit_max_model_len, max_model_len_given
 
     run = run_config_from(cfg)
     overrides = list(HydraConfig.get().overrides.task)
@@ -108,7 +108,7 @@ def main(cfg: DictConfig) -> Any:
 
         request_host_devices(run.hardware.tensor_parallel_size)  # before JAX starts
     # Before the first point: max_model_len raised to the workload's longest request, or a
-    # ValueError naming what to change (experiments.workloads: the rule).
+    # ValueError naming what to change (experiments.context_len: the rule).
     run = fit_max_model_len(run, explicit=max_model_len_given(overrides))
     out_dir = run.output_dir or HydraConfig.get().runtime.output_dir
     group, job_type = sweep_group(run, HydraConfig.get())

@@ -134,7 +134,7 @@ def run_point(
         "replica_routing": run.hardware.routing if run.hardware.num_replicas > 1 else None,
         "repeat": repeat,
         # The engine's limit on prompt + output, and the configured one where the run raised it
-        # to the workload's longest request (experiments.workloads.fit_max_model_len).
+        # to the workload's longest request (experiments.context_len.fit_max_model_len).
         "max_model_len": getattr(
             getattr(backend, "llm", None), "max_model_len", run.model.max_model_len
         ),
@@ -307,7 +307,7 @@ def kv_capacity_line(run: RunConfig, backend: Backend) -> str | None:
     """vLLM's start-up line: KV blocks and tokens, and how many of the workload's requests
     (input_len + output_len tokens; a trace's or session's longest) fit at once. None for peers
     that do not say."""
-    from experiments.workloads import longest_request
+    from experiments.context_len import longest_request
 
     engine = getattr(getattr(backend, "llm", None), "engine", None)
     if engine is None:

@@ -384,7 +384,7 @@ class LoadConfig:
     max_model_len: int | None = None
     seed: int = 0
     # What max_model_len was before the run raised it to its workload's longest request
-    # (experiments.workloads.fit_max_model_len); None: max_model_len is as configured.
+    # (experiments.context_len.fit_max_model_len); None: max_model_len is as configured.
     max_model_len_raised_from: int | None = None
 
     def __post_init__(self) -> None:

@@ -1,6 +1,6 @@
 """Every ``python -m experiments.run ...`` command in the fenced code blocks of
 docs/experiments/*.md composes with Hydra and passes the pre-flight sizing
-(``experiments.workloads.fit_max_model_len``) as written: none would stop before its first
+(``experiments.context_len.fit_max_model_len``) as written: none would stop before its first
 point. A multirun (``-m``) is composed job by job: every combination of the command line's
 comma lists, and each value of a sweeper's ``hydra.sweeper.params`` in the experiment's config
 one at a time (Optuna's ``choice(...)`` included). Overrides of ``hydra.*`` / ``hydra/...``
@@ -24,8 +24,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
+from experiments.context_len import fit_max_model_len, longest_request, max_model_len_given
 from experiments.run import model_override
-from experiments.workloads import fit_max_model_len, longest_request, max_model_len_given
 from research.config import register_configs, run_config_from
 from tests.test_experiments import CONFIGS, ROOT
 

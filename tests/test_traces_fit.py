@@ -1,7 +1,7 @@
 """Traces and sessions at their own lengths: before the first point, ``experiments.run`` raises
 ``model.max_model_len`` to the workload's longest request when a config file set it (within the
 model's context and the KV pool), and stops naming the override or ``workload.length_scale``
-otherwise (``experiments.workloads.fit_max_model_len``)."""
+otherwise (``experiments.context_len.fit_max_model_len``)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
-from experiments.workloads import (
-    build_load,
+from experiments.context_len import (
     fit_max_model_len,
     longest_request,
     max_model_len_given,
     trace_requests_read,
 )
+from experiments.workloads import build_load
 from research.config import register_configs
 from tests.test_experiments import CONFIGS, _compose
 
@@ -61,7 +61,7 @@ def _run_app(overrides: list[str], tmp_path: Path, monkeypatch) -> list:
 def test_mooncake_synthetic_runs_at_its_own_lengths(tmp_path, monkeypatch, caplog):
     """The preset's 4,096 (a config file's value) is raised to the longest of the 192 requests
     the default sweep sends, rounded up to 1,024, and the run says so."""
-    with caplog.at_level(logging.WARNING, logger="experiments.workloads"):
+    with caplog.at_level(logging.WARNING, logger="experiments.context_len"):
         (run,) = _run_app(MOONCAKE_SYNTHETIC, tmp_path, monkeypatch)
     longest = longest_request(run)
     assert longest.tokens == 82_831 + 22  # the trace's first 192 requests

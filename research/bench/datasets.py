@@ -214,7 +214,7 @@ def trace_lengths(
 ) -> list[tuple[int, int]]:
     """(prompt tokens, output tokens) of each record as ``trace_requests`` sends it: both lengths
     times ``length_scale``, rounded, at least 1. Sizing a run before it starts reads these
-    (``experiments.workloads.longest_request``) without drawing any token ids."""
+    (``experiments.context_len.longest_request``) without drawing any token ids."""
     if length_scale <= 0:
         raise ValueError(f"length_scale must be > 0, got {length_scale}")
     return [
